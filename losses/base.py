@@ -1,0 +1,118 @@
+"""What every distillation loss is: ``(student outputs, teacher outputs, batch) -> LossOutput``.
+
+Token selection and normalisation live here, once, so that no loss can get them wrong:
+
+* Position ``t`` of a causal LM predicts token ``t + 1``; a position counts when the next label is not
+  ``-100`` (padding and prompt tokens are marked that way by the data pipeline).
+* A loss is a *sum* over counted positions divided by ``batch["loss_normalizer"]``. The Distiller sets
+  that to (valid tokens in the whole optimizer step, over all micro-batches and ranks) divided by
+  (micro-batches x ranks), which cancels DeepSpeed's mean over micro-batches and ranks. The result is
+  the per-token mean over the whole accumulated batch, whatever the micro-batch size or accumulation.
+  Without a normaliser (a loss called on its own) it is the per-token mean of this batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossOutput:
+    """``total`` is what the student backpropagates; ``parts`` are detached named terms to log."""
+
+    total: torch.Tensor
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def valid_positions(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Bool ``(B, T)``: positions whose prediction of the next token counts. The last never does."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return mask
+
+
+def next_token_labels(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``(B, T)`` labels aligned with the logits that predict them (the last column is ignored)."""
+    labels = batch.get("labels", batch["input_ids"])
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
+def normalizer(batch: Mapping[str, Any], mask: torch.Tensor) -> torch.Tensor | float:
+    """The divisor that turns a token sum into the per-token mean of the whole optimizer step."""
+    given = batch.get("loss_normalizer")
+    if given is not None:
+        return given
+    return mask.sum().clamp(min=1)
+
+
+class DistillationLoss(nn.Module):
+    """Base of every loss. Subclasses say what they need, so the Distiller asks the models for no more.
+
+    Hidden states and attention maps cost memory on both models, so they are requested only when a loss
+    sets ``needs_hidden_states`` / ``needs_attentions``.
+    """
+
+    needs_hidden_states: bool = False
+    needs_attentions: bool = False
+
+    def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
+        raise NotImplementedError
+
+
+class LogitLoss(DistillationLoss):
+    """A per-token divergence between student and teacher next-token distributions.
+
+    Subclasses write only :meth:`per_token` on float32 rows; this class selects the counted positions,
+    cuts a teacher vocabulary padded past the student's (e.g. 152064 vs 151936), applies the temperature
+    and its ``T**2`` gradient scale (Hinton et al. 2015; switch off with ``scale_by_t2=False``), works in
+    chunks of ``chunk_size`` tokens so that no full float32 copy of the logits exists, and normalises.
+    """
+
+    def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 4096):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+        self.temperature = float(temperature)
+        self.scale_by_t2 = scale_by_t2
+        self.chunk_size = int(chunk_size)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def per_token(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """``(n, V)`` float32 logits already divided by T, ``(n,)`` labels -> ``(n,)`` loss per token."""
+        raise NotImplementedError
+
+    def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
+        mask = valid_positions(batch)
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        vocab = min(student.logits.shape[-1], teacher.logits.shape[-1])
+        s_flat = student.logits.reshape(-1, student.logits.shape[-1])
+        t_flat = teacher.logits.reshape(-1, teacher.logits.shape[-1])
+        labels = next_token_labels(batch).reshape(-1)
+        total = s_flat.new_zeros((), dtype=torch.float32)
+        for chunk in rows.split(self.chunk_size):
+            s = s_flat.index_select(0, chunk)[:, :vocab].float() / self.temperature
+            t = t_flat.index_select(0, chunk)[:, :vocab].float() / self.temperature
+            total = total + self.per_token(s, t.detach(), labels.index_select(0, chunk)).sum()
+        if self.scale_by_t2:
+            total = total * self.temperature**2
+        loss = total / normalizer(batch, mask)
+        return LossOutput(loss, {self.name: loss.detach()})
