@@ -1,7 +1,39 @@
 """Distillation losses: small modules with one signature, found by name through a registry."""
 
+from losses.attention import AttentionKL
 from losses.base import DistillationLoss, LogitLoss, LossOutput
-from losses.divergences import ForwardKL
-from losses.registry import LOSSES, build_loss
+from losses.composite import WeightedSum
+from losses.divergences import (
+    ForwardKL,
+    GeneralizedJSD,
+    LogitMSE,
+    ReverseKL,
+    SkewForwardKL,
+    SkewReverseKL,
+    TotalVariation,
+)
+from losses.hidden import HiddenCosine, HiddenMSE, HiddenStateLoss
+from losses.registry import LOSSES, build_loss, resolve
+from losses.supervised import CrossEntropy
 
-__all__ = ["LOSSES", "DistillationLoss", "ForwardKL", "LogitLoss", "LossOutput", "build_loss"]
+__all__ = [
+    "LOSSES",
+    "AttentionKL",
+    "CrossEntropy",
+    "DistillationLoss",
+    "ForwardKL",
+    "GeneralizedJSD",
+    "HiddenCosine",
+    "HiddenMSE",
+    "HiddenStateLoss",
+    "LogitLoss",
+    "LogitMSE",
+    "LossOutput",
+    "ReverseKL",
+    "SkewForwardKL",
+    "SkewReverseKL",
+    "TotalVariation",
+    "WeightedSum",
+    "build_loss",
+    "resolve",
+]

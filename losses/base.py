@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from losses.chunked import chunked_logit_loss
+
 IGNORE_INDEX = -100
 
 
@@ -67,6 +69,11 @@ class DistillationLoss(nn.Module):
     needs_hidden_states: bool = False
     needs_attentions: bool = False
 
+    @property
+    def name(self) -> str:
+        """The key of this loss's value in ``LossOutput.parts`` when it is used on its own."""
+        return type(self).__name__
+
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
         raise NotImplementedError
 
@@ -77,7 +84,8 @@ class LogitLoss(DistillationLoss):
     Subclasses write only :meth:`per_token` on float32 rows; this class selects the counted positions,
     cuts a teacher vocabulary padded past the student's (e.g. 152064 vs 151936), applies the temperature
     and its ``T**2`` gradient scale (Hinton et al. 2015; switch off with ``scale_by_t2=False``), works in
-    chunks of ``chunk_size`` tokens so that no full float32 copy of the logits exists, and normalises.
+    chunks of ``chunk_size`` tokens so that no full float32 copy of the logits exists (``losses/chunked.py``:
+    the gradient is made per chunk in forward), and normalises.
     """
 
     def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 4096):
@@ -90,10 +98,6 @@ class LogitLoss(DistillationLoss):
         self.scale_by_t2 = scale_by_t2
         self.chunk_size = int(chunk_size)
 
-    @property
-    def name(self) -> str:
-        return type(self).__name__
-
     def per_token(
         self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
@@ -103,15 +107,15 @@ class LogitLoss(DistillationLoss):
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
         mask = valid_positions(batch)
         rows = mask.reshape(-1).nonzero().squeeze(1)
-        vocab = min(student.logits.shape[-1], teacher.logits.shape[-1])
-        s_flat = student.logits.reshape(-1, student.logits.shape[-1])
-        t_flat = teacher.logits.reshape(-1, teacher.logits.shape[-1])
-        labels = next_token_labels(batch).reshape(-1)
-        total = s_flat.new_zeros((), dtype=torch.float32)
-        for chunk in rows.split(self.chunk_size):
-            s = s_flat.index_select(0, chunk)[:, :vocab].float() / self.temperature
-            t = t_flat.index_select(0, chunk)[:, :vocab].float() / self.temperature
-            total = total + self.per_token(s, t.detach(), labels.index_select(0, chunk)).sum()
+        total = chunked_logit_loss(
+            student.logits.reshape(-1, student.logits.shape[-1]),
+            teacher.logits.reshape(-1, teacher.logits.shape[-1]),
+            next_token_labels(batch).reshape(-1),
+            rows,
+            self.per_token,
+            self.temperature,
+            self.chunk_size,
+        )
         if self.scale_by_t2:
             total = total * self.temperature**2
         loss = total / normalizer(batch, mask)

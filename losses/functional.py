@@ -1,13 +1,107 @@
-"""The math, written once. Every function maps float32 rows ``(n, V)`` to a per-row loss ``(n,)``."""
+"""The math, written once. Every function maps rows ``(n, D)`` to a per-row loss ``(n,)``.
+
+For the logit divergences ``D`` is the vocabulary, the inputs are logits already divided by the
+temperature, ``p`` is the teacher's distribution ``softmax(teacher_logits)`` and ``q`` the student's.
+Everything works on log-probabilities from ``log_softmax``; mixtures of two distributions are formed
+in log space with ``logaddexp`` so that no probability is ever logged after underflowing to zero.
+Callers upcast to float32 (the chunked path does it per chunk); float64 passes through for tests.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 inputs; float64 stays float64 so gradcheck can test every path."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) = sum_v a (log a - log b), from log-probabilities."""
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
+def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
+    """log(w a + (1 - w) b) for 0 < w < 1, stable where either probability underflows."""
+    return torch.logaddexp(log_a + math.log(weight_a), log_b + math.log1p(-weight_a))
+
+
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_teacher || q_student) = sum_v p (log p - log q): the student covers every teacher mode."""
-    teacher_logp = F.log_softmax(teacher_logits, dim=-1)
-    student_logp = F.log_softmax(student_logits, dim=-1)
-    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    """KL(p || q): mode-covering; the student is pushed to put mass wherever the teacher does."""
+    return _kl(F.log_softmax(teacher_logits, dim=-1), F.log_softmax(student_logits, dim=-1))
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(q || p): mode-seeking; the student may drop teacher modes it cannot fit (MiniLLM)."""
+    return _kl(F.log_softmax(student_logits, dim=-1), F.log_softmax(teacher_logits, dim=-1))
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q (GKD, Agarwal et al. 2024).
+
+    The formula itself vanishes at both ends (m becomes q or p), so, as in GKD and TRL, ``beta = 0`` is
+    defined as forward KL(p || q) and ``beta = 1`` as reverse KL(q || p): the limits of JSD_beta / beta and
+    JSD_beta / (1 - beta). They are computed directly, not through the mixture.
+    """
+    if beta == 0.0:
+        return forward_kl(student_logits, teacher_logits)
+    if beta == 1.0:
+        return reverse_kl(student_logits, teacher_logits)
+    log_p = F.log_softmax(teacher_logits, dim=-1)
+    log_q = F.log_softmax(student_logits, dim=-1)
+    log_m = _log_mixture(log_p, log_q, beta)
+    return beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+
+
+def skew_forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """KL(p || alpha p + (1 - alpha) q), DistiLLM (Ko et al. 2024); bounded where q -> 0. alpha = 0 is KL(p || q)."""
+    if alpha == 0.0:
+        return forward_kl(student_logits, teacher_logits)
+    log_p = F.log_softmax(teacher_logits, dim=-1)
+    log_q = F.log_softmax(student_logits, dim=-1)
+    return _kl(log_p, _log_mixture(log_p, log_q, alpha))
+
+
+def skew_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """KL(q || (1 - alpha) p + alpha q), DistiLLM (Ko et al. 2024). alpha = 0 is KL(q || p)."""
+    if alpha == 0.0:
+        return reverse_kl(student_logits, teacher_logits)
+    log_p = F.log_softmax(teacher_logits, dim=-1)
+    log_q = F.log_softmax(student_logits, dim=-1)
+    return _kl(log_q, _log_mixture(log_q, log_p, alpha))
+
+
+def total_variation(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """TVD(p, q) = 1/2 sum_v |p - q|, a bounded metric (in [0, 1]) that no single token can blow up."""
+    return 0.5 * (F.softmax(teacher_logits, dim=-1) - F.softmax(student_logits, dim=-1)).abs().sum(-1)
+
+
+def mean_squared_error(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """mean_d (s_d - t_d)^2: on logits (Ba & Caruana 2014) or hidden states (FitNets); a mean, not a sum,
+    so the scale does not depend on the vocabulary or hidden width."""
+    return (student - teacher).square().mean(-1)
+
+
+def cosine_distance(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """1 - cos(s, t): matches directions of hidden states and ignores their norms (DistilBERT)."""
+    return 1.0 - F.cosine_similarity(student, teacher, dim=-1, eps=1e-8)
+
+
+def cross_entropy(student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log q(label): the ordinary language-modelling loss on the hard labels; no teacher involved."""
+    return F.cross_entropy(student_logits, labels, reduction="none")
+
+
+def probability_kl(student_probs: torch.Tensor, teacher_probs: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """KL(p || q) between rows that are already probabilities (attention maps, MiniLM).
+
+    Masked entries are exactly 0 in both; clamping the logs at ``eps`` makes them contribute
+    ``0 * finite = 0`` with a zero gradient instead of ``0 * -inf = nan``.
+    """
+    log_p = teacher_probs.clamp_min(eps).log()
+    log_q = student_probs.clamp_min(eps).log()
+    return (teacher_probs * (log_p - log_q)).sum(-1)

@@ -1,0 +1,25 @@
+"""The hard-label term: ordinary next-token cross-entropy of the student on the data's labels."""
+
+from __future__ import annotations
+
+import torch
+
+from losses import functional
+from losses.base import LogitLoss
+
+
+class CrossEntropy(LogitLoss):
+    """Next-token cross-entropy, -log q(label), on the labels of the batch (``-100`` ignored).
+
+    Mixed with a divergence it is the classic KD objective, ``0.5 CE + 0.5 KL`` (Hinton et al. 2015).
+    It runs at temperature 1 without ``T**2`` scaling, because the labels are a one-hot target, not a
+    softened distribution; so it takes no ``temperature``. It shares the chunked path of the logit
+    losses, so it does not build a float32 copy of the logits either.
+    Config: ``[{name: cross_entropy, weight: 0.5}, {name: forward_kl, weight: 0.5, temperature: 2.0}]``.
+    """
+
+    def __init__(self, chunk_size: int = 4096):
+        super().__init__(temperature=1.0, scale_by_t2=False, chunk_size=chunk_size)
+
+    def per_token(self, student_logits, teacher_logits, labels) -> torch.Tensor:
+        return functional.cross_entropy(student_logits, labels)
