@@ -1,0 +1,51 @@
+"""Typed settings of a distillation run that the DeepSpeed configs' ``"auto"`` values are filled from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class TrainingConfig:
+    """What one optimizer step looks like and how the student learns.
+
+    These are the values a user writes once; every ``"auto"`` in either DeepSpeed config is filled from
+    them, so the two engines can never disagree about micro-batch size or precision.
+    """
+
+    max_steps: int = 100
+    """Optimizer steps to take (each is ``gradient_accumulation_steps`` micro-batches per rank)."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward; the teacher engine uses the same."""
+    gradient_accumulation_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    dtype: DType = "fp32"
+    """Precision of both engines: bf16 on modern GPUs; fp32 on the CPU, where bf16 matmuls are slow."""
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_steps": self.max_steps >= 1,
+            "micro_batch_size": self.micro_batch_size >= 1,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps >= 1,
+            "lr": self.lr > 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "max_grad_norm": self.max_grad_norm >= 0,
+            "dtype": self.dtype in ("fp32", "bf16", "fp16"),
+            "log_every": self.log_every >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise ValueError(f"invalid training settings: {values}")
+        self.betas = tuple(self.betas)

@@ -1,0 +1,58 @@
+"""One start-up path for ``deepspeed``, ``torchrun`` and plain ``python`` launches."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+
+def _free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def init(timeout_s: float = 600.0) -> torch.device:
+    """Join (or, under plain ``python``, create) the process group and return this rank's device.
+
+    Plain ``python`` sets none of the rendezvous variables; DeepSpeed would then try MPI discovery, so a
+    one-rank group is described here instead. The timeout bounds every collective: a rank that stops
+    feeding the ZeRO-3 teacher makes the others fail loudly instead of waiting forever.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", _free_port())
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+    accelerator = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+        return torch.device(accelerator.device_name(local_rank))
+    return torch.device("cpu")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op on one); the value keeps its device."""
+    if world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value

@@ -1,0 +1,62 @@
+"""Build the two DeepSpeed engines: a trained student and a frozen, sharded teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import deepspeed
+import torch
+from torch import nn
+
+from distill_kit.deepspeed_config import zero_stage
+from distill_kit.models import TORCH_DTYPES
+
+
+class StudentWithLoss(nn.Module):
+    """The student plus the loss module's own parameters (e.g. hidden-state projections), if any.
+
+    Wrapping them in one module lets DeepSpeed's optimizer train, clip and checkpoint both, while the
+    forward is the student's alone; export takes ``.student`` and leaves the loss behind. A loss without
+    parameters stays outside: ZeRO-3 hooks every submodule and would expect it inside the engine's forward.
+    """
+
+    def __init__(self, student: nn.Module, loss: nn.Module):
+        super().__init__()
+        self.student = student
+        self.loss = loss if any(True for _ in loss.parameters()) else None
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.student(**inputs)
+
+
+def build_student(model: nn.Module, loss: nn.Module, ds_config: Mapping[str, Any]) -> deepspeed.DeepSpeedEngine:
+    """The student's training engine; its optimizer and scheduler come from its DeepSpeed config."""
+    module = StudentWithLoss(model, loss)
+    if module.loss is not None and zero_stage(ds_config) == 3:
+        raise ValueError(
+            f"loss {type(loss).__name__} has trainable parameters, which a ZeRO-3 student cannot hold outside "
+            "its forward; use a ZeRO-2 student config (zero_optimization.stage: 2)."
+        )
+    module.train()
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=dict(ds_config))
+    return engine
+
+
+def build_teacher(
+    model: nn.Module, ds_config: Mapping[str, Any], dtype: str, device: torch.device
+) -> nn.Module:
+    """The frozen teacher: a ZeRO-3 inference engine (each rank holds 1/N of it) or a replicated module.
+
+    DeepSpeed builds an optimizer-free engine only for stage 3; ZeRO-1/2 exist to shard optimizer state,
+    which a frozen model has none of, and refuse to build without one. Stages 0-2 therefore give a plain
+    replicated module in the run's dtype.
+    """
+    model.requires_grad_(False)
+    model.eval()
+    if zero_stage(ds_config) == 3:
+        engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config))
+        engine.eval()
+        return engine
+    return model.to(device=device, dtype=TORCH_DTYPES[dtype])

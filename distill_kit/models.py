@@ -1,0 +1,84 @@
+"""Load teacher and student so that each lands in the right ZeRO layout.
+
+transformers decides whether ``from_pretrained`` builds a model inside ``deepspeed.zero.Init`` (weights go
+straight into shards) by looking at one process-wide DeepSpeed config. With two engines in one process that
+global must point at the teacher's ZeRO-3 config while the teacher loads, and at the student's config (or
+none) while the student loads; otherwise a ZeRO-2 student gets partitioned, or a 70B teacher
+materialises whole on every rank. :func:`active_transformers_config` does that switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations import deepspeed as hf_deepspeed
+
+from distill_kit.deepspeed_config import zero_stage
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+ModelSource = str | Path | nn.Module
+
+
+@contextmanager
+def active_transformers_config(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
+    """Make ``ds_config`` transformers' DeepSpeed config inside the block (only ZeRO-3 matters to it).
+
+    transformers keeps the config behind a module-level weak reference; the previous one is put back on
+    exit so that a user's own ``HfDeepSpeedConfig`` outlives ours.
+    """
+    previous = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    holder = hf_deepspeed.HfDeepSpeedConfig(dict(ds_config)) if ds_config and zero_stage(ds_config) == 3 else None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = previous
+        del holder
+
+
+def model_config(source: ModelSource) -> PretrainedConfig | None:
+    """The model's config without loading weights (needed to fill ZeRO bucket sizes before loading)."""
+    if isinstance(source, nn.Module):
+        return getattr(source, "config", None)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"cannot load model config from {str(source)!r}: {err}. Pass a directory written by "
+            "save_pretrained (with config.json), a hub name where the hub is reachable, or an nn.Module."
+        ) from err
+
+
+def hidden_size(source: ModelSource) -> int | None:
+    config = model_config(source)
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
+def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str) -> nn.Module:
+    """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout; modules pass through."""
+    if isinstance(source, nn.Module):
+        return source
+    with active_transformers_config(ds_config):
+        return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype])
+
+
+def check_tokenizers(teacher_tokenizer: Any, student_tokenizer: Any) -> None:
+    """Logit distillation compares distributions token id by token id: both must mean the same tokens."""
+    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise ValueError(
+            "teacher and student tokenizers differ: "
+            f"teacher {getattr(teacher_tokenizer, 'name_or_path', '?')!r} ({len(teacher_tokenizer)} tokens), "
+            f"student {getattr(student_tokenizer, 'name_or_path', '?')!r} ({len(student_tokenizer)} tokens). "
+            "Logit losses need the same tokenizer for both; train the student with the teacher's tokenizer."
+        )
+

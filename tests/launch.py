@@ -1,0 +1,37 @@
+"""Start real ranks for a test: our own processes over gloo, never a harness that may skip them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nprocs`` ranks (``torchrun``), or under plain ``python`` when ``nprocs`` is 0.
+
+    A non-zero exit or a timeout fails the calling test, with the ranks' output in the message.
+    """
+    if nprocs:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
+                   f"--master_port={free_port()}", str(script), *args]
+    else:
+        command = [sys.executable, str(script), *args]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"{command} timed out after {timeout}s:\n{err.stdout}\n{err.stderr}") from err
+    if done.returncode != 0:
+        raise AssertionError(f"{command} exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return done

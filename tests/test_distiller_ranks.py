@@ -1,0 +1,82 @@
+"""The Distiller on real DeepSpeed engines: one rank under plain python, two ranks under torchrun (gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import ROOT, run_ranks
+
+WORKER = ROOT / "tests/workers/core_scenarios.py"
+SCENARIOS = ["zero2_zero3", "teacher_sharding", "zero3_zero3", "zero2_zero0", "seed_configs"]
+pytestmark = pytest.mark.multirank
+
+
+def _results(out: Path, ranks: int) -> dict[str, list[dict]]:
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
+            for name in {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_ranks(WORKER, [str(out), ",".join(SCENARIOS)], nprocs=2)
+    return _results(out, 2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("one_rank")
+    run_ranks(WORKER, [str(out), "zero2_zero3,zero3_zero3"], nprocs=0)  # plain `python`, no launcher
+    return _results(out, 1)
+
+
+@pytest.mark.parametrize("scenario", ["zero2_zero3", "zero3_zero3", "zero2_zero0"])
+def test_two_ranks_match_plain_pytorch(two_ranks, scenario):
+    """Same student parameters and per-step losses as a plain loop over the union of both ranks' data."""
+    for result in two_ranks[scenario]:
+        assert result["max_param_change"] > 1e-3  # the students did move
+        assert result["max_param_diff"] < 2e-6
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("scenario", ["zero2_zero3", "zero3_zero3"])
+def test_one_rank_plain_python_matches_plain_pytorch(one_rank, scenario):
+    (result,) = one_rank[scenario]
+    assert result["max_param_change"] > 1e-3
+    assert result["max_param_diff"] < 2e-6
+    assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
+
+
+def test_stages_come_from_each_config(two_ranks):
+    assert [r["student_zero3"] for r in two_ranks["zero2_zero3"]] == [False, False]
+    assert [r["student_zero3"] for r in two_ranks["zero3_zero3"]] == [True, True]
+    assert [r["teacher_is_engine"] for r in two_ranks["zero2_zero3"]] == [True, True]
+    assert [r["teacher_is_engine"] for r in two_ranks["zero2_zero0"]] == [False, False]
+
+
+def test_teacher_is_sharded_frozen_and_unchanged(two_ranks):
+    for result in two_ranks["teacher_sharding"]:
+        assert result["local_fraction"] == pytest.approx(0.5, abs=0.01)
+        assert result["teacher_unchanged"]
+        assert not result["teacher_requires_grad"]
+        assert not result["teacher_training_mode"]
+        assert not result["student_partitioned"]  # loaded while the teacher's ZeRO-3 config was not active
+        assert not result["transformers_zero3_left_on"]
+        assert result["last_loss"] < 0.5 * result["first_loss"]
+
+
+def test_two_zero3_configs_keep_their_own_persistence(two_ranks):
+    for result in two_ranks["persistence"]:
+        assert result["student"]["threshold"] != result["teacher"]["threshold"]
+        for side in ("student", "teacher"):
+            assert result[side]["wrong"] == []
+            assert result[side]["persisted"] > 0
+
+
+def test_seed_configs_drive_a_run_with_offloaded_optimizer(two_ranks):
+    for result in two_ranks["seed_configs"]:
+        assert result["offload"]
+        assert len(result["losses"]) == 3
+        assert all(loss > 0 for loss in result["losses"])

@@ -1,0 +1,42 @@
+"""Small GPT-2s saved with save_pretrained, so tests exercise the real from_pretrained path offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB = 96
+
+
+def gpt2_config(width: int, layers: int, vocab: int = VOCAB) -> GPT2Config:
+    # No dropout: equivalence tests compare engines with a plain loop step by step.
+    return GPT2Config(
+        vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+
+
+def save_pair(directory: str | Path) -> tuple[Path, Path]:
+    """A teacher several times larger than its student, both saved as Hugging Face model directories."""
+    directory = Path(directory)
+    teacher, student = directory / "teacher", directory / "student"
+    torch.manual_seed(1234)
+    if not (teacher / "config.json").exists():
+        GPT2LMHeadModel(gpt2_config(width=64, layers=3)).save_pretrained(teacher)
+    if not (student / "config.json").exists():
+        GPT2LMHeadModel(gpt2_config(width=32, layers=1)).save_pretrained(student)
+    return teacher, student
+
+
+def random_batches(count: int, batch: int, length: int, seed: int, vocab: int = VOCAB) -> list[dict]:
+    """Micro-batches with ragged right padding (labels -100 and attention 0 past each length)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, length), generator=generator)
+        lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
+        mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out

@@ -1,0 +1,180 @@
+"""Distiller scenarios run on real ranks; launched by tests/test_distiller_ranks.py.
+
+One launch runs several scenarios because every launch pays DeepSpeed's start-up. Each scenario writes
+``<out>/<name>.rank<r>.json``; the pytest side asserts on those numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from transformers import GPT2LMHeadModel
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import random_batches, save_pair  # noqa: E402
+
+from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
+from distill_kit.deepspeed_config import load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDENT_CFG = load(ROOT / "configs/zero2_student.json")
+TEACHER_CFG = load(ROOT / "configs/zero3_teacher.json")
+CONSTANT_LR = {k: v for k, v in STUDENT_CFG.items() if k != "scheduler"}  # the reference loop has no scheduler
+FIXTURES = ROOT / "tests/fixtures"
+
+STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
+TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
+                          lr=3e-3, weight_decay=0.01, max_grad_norm=0.5, log_every=100)
+
+
+def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
+    """Step s uses global micro-batches [s*world*GAS, (s+1)*world*GAS); rank r takes its GAS of them."""
+    return [all_batches[(s * world + rank) * GAS + m] for s in range(STEPS) for m in range(GAS)]
+
+
+def gathered(params) -> list[torch.Tensor]:
+    params = list(params)
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone().float() for p in params]
+
+
+def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int):
+    """The same distillation as a plain PyTorch loop over the union of every rank's micro-batches."""
+    student = GPT2LMHeadModel.from_pretrained(student_dir)
+    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
+    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
+                            weight_decay=TRAINING.weight_decay)
+    losses = []
+    for s in range(STEPS):
+        step = all_batches[s * world * GAS:(s + 1) * world * GAS]
+        total, tokens = 0.0, 0
+        for b in step:
+            s_logits = student(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+            with torch.no_grad():
+                t_logits = teacher(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+            valid = b["labels"][:, 1:] != -100
+            kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                          reduction="none").sum(-1)
+            total = total + (kl * valid).sum()
+            tokens += int(valid.sum())
+        loss = total / tokens
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), TRAINING.max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return [p.detach() for p in student.parameters()], losses
+
+
+def write(out: Path, name: str, result: dict) -> None:
+    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
+
+
+def equivalence(out: Path, name: str, student_cfg: dict, teacher_cfg: dict, pair: tuple[Path, Path]) -> Distiller:
+    """Distiller vs plain loop: same student parameters after STEPS steps, same per-step losses."""
+    teacher_dir, student_dir = pair
+    world = distributed.world_size()
+    all_batches = random_batches(STEPS * GAS * world, MBS, LENGTH, seed=7)
+    distiller = Distiller(student_dir, teacher_dir, training=TRAINING,
+                          student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
+    history = distiller.train(rank_batches(all_batches, distributed.rank(), world))
+    ours = gathered(distiller.student_model.parameters())
+    ref, ref_losses = reference_student(student_dir, teacher_dir, all_batches, world)
+    initial = GPT2LMHeadModel.from_pretrained(student_dir).parameters()
+    write(out, name, {
+        "max_param_diff": max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True)),
+        "max_param_change": max((a - b).abs().max().item() for a, b in zip(ref, initial, strict=True)),
+        "losses": [h["loss"] for h in history],
+        "ref_losses": ref_losses,
+        "student_zero3": all(hasattr(p, "ds_id") for p in distiller.student_model.parameters()),
+        "teacher_is_engine": isinstance(distiller.teacher, deepspeed.DeepSpeedEngine),
+    })
+    return distiller
+
+
+def teacher_sharding(out: Path, pair: tuple[Path, Path]) -> None:
+    """ZeRO-2 student + ZeRO-3 teacher: the teacher is partitioned, frozen and unchanged; the loss falls."""
+    teacher_dir, student_dir = pair
+    training = TrainingConfig(max_steps=30, micro_batch_size=4, lr=1e-2, log_every=100)
+    distiller = Distiller(student_dir, teacher_dir, training=training)
+    params = list(distiller.teacher.module.parameters())
+    local = sum(p.ds_tensor.numel() for p in params)
+    full = sum(p.ds_numel for p in params)
+    student_params = list(distiller.student_model.parameters())
+    data = random_batches(8, 4, LENGTH, seed=100 + distributed.rank())
+    history = distiller.train(data)
+    on_disk = GPT2LMHeadModel.from_pretrained(teacher_dir).state_dict()
+    names = [n for n, _ in distiller.teacher.module.named_parameters()]
+    after = dict(zip(names, gathered(params), strict=True))
+    write(out, "teacher_sharding", {
+        "local_fraction": local / full,
+        "teacher_unchanged": all(torch.equal(after[n], on_disk[n].float()) for n in names),
+        "teacher_requires_grad": any(p.requires_grad for p in params),
+        "teacher_training_mode": distiller.teacher.module.training,
+        "student_partitioned": any(hasattr(p, "ds_id") for p in student_params),
+        "transformers_zero3_left_on": is_deepspeed_zero3_enabled(),
+        "first_loss": sum(h["loss"] for h in history[:3]) / 3,
+        "last_loss": sum(h["loss"] for h in history[-3:]) / 3,
+    })
+
+
+def persistence(out: Path, distiller: Distiller) -> None:
+    """Two ZeRO-3 models in one process each keep their own persistence threshold."""
+    def summary(module, config):
+        threshold = config["zero_optimization"]["stage3_param_persistence_threshold"]
+        return {"threshold": threshold,
+                "wrong": [n for n, p in module.named_parameters() if p.ds_persist != (p.ds_numel <= threshold)],
+                "persisted": sum(p.ds_persist for p in module.parameters())}
+    write(out, "persistence", {
+        "student": summary(distiller.student.module, distiller.student_ds_config),
+        "teacher": summary(distiller.teacher.module, distiller.teacher_ds_config),
+    })
+
+
+def seed_configs(out: Path, pair: tuple[Path, Path]) -> None:
+    """The seed document's two configs, verbatim (trailing commas, "auto", CPU-offloaded optimizer)."""
+    teacher_dir, student_dir = pair
+    training = TrainingConfig(max_steps=3, micro_batch_size=1, lr=1e-3, warmup_steps=1, log_every=100)
+    distiller = Distiller(student_dir, teacher_dir, training=training,
+                          student_ds_config=FIXTURES / "seed_zero2_config.json",
+                          teacher_ds_config=FIXTURES / "seed_zero3_config.json")
+    history = distiller.train(random_batches(4, 1, LENGTH, seed=3))
+    write(out, "seed_configs", {
+        "optimizer": type(distiller.student.optimizer.optimizer).__name__,
+        "offload": distiller.student.zero_cpu_offload(),
+        "losses": [h["loss"] for h in history],
+    })
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    scenarios = sys.argv[2].split(",")
+    distributed.init()
+    if distributed.is_main():
+        save_pair(out / "models")
+    torch.distributed.barrier()
+    pair = (out / "models/teacher", out / "models/student")
+    zero3_student = copy.deepcopy(CONSTANT_LR) | {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                   "stage3_param_persistence_threshold": "auto"}}
+    zero0_teacher = {"zero_optimization": {"stage": 0}}
+    if "zero2_zero3" in scenarios:
+        equivalence(out, "zero2_zero3", CONSTANT_LR, TEACHER_CFG, pair)
+    if "teacher_sharding" in scenarios:
+        teacher_sharding(out, pair)
+    if "zero3_zero3" in scenarios:
+        persistence(out, equivalence(out, "zero3_zero3", zero3_student, TEACHER_CFG, pair))
+    if "zero2_zero0" in scenarios:
+        equivalence(out, "zero2_zero0", CONSTANT_LR, zero0_teacher, pair)
+    if "seed_configs" in scenarios:
+        seed_configs(out, pair)
+
+
+if __name__ == "__main__":
+    main()
