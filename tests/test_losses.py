@@ -245,3 +245,13 @@ def test_t2_scaling_is_switchable():
 def test_bad_parameters_fail_at_construction(spec, message):
     with pytest.raises((ValueError, TypeError), match=message):
         build_loss(spec)
+
+
+@pytest.mark.parametrize("name", LOGIT_LOSSES)
+def test_a_batch_with_no_counted_token_gives_zero_and_a_zero_gradient(name):
+    batch = make_batch()
+    batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    student = torch.randn(3, 7, 11, requires_grad=True)
+    value = build(name)(outputs(student), outputs(torch.randn(3, 7, 11)), batch).total
+    value.backward()
+    assert value.item() == 0.0 and torch.count_nonzero(student.grad) == 0
