@@ -55,17 +55,21 @@ class Distiller:
         self.training = training or TrainingConfig()
         self.device = distributed.init()
         transformers.set_seed(self.training.seed)
+        student_facts, teacher_facts = models.facts(student), models.facts(teacher)
         self.student_ds_config, self.teacher_ds_config = deepspeed_config.prepare_pair(
             student_ds_config,
             teacher_ds_config,
             self.training,
-            student_hidden_size=models.hidden_size(student),
-            teacher_hidden_size=models.hidden_size(teacher),
+            student_hidden_size=student_facts["hidden_size"],
+            teacher_hidden_size=teacher_facts["hidden_size"],
             world_size=distributed.world_size(),
             student_overrides=student_ds_overrides,
             teacher_overrides=teacher_ds_overrides,
         )
-        self.loss: DistillationLoss = build_loss(loss)
+        self.loss: DistillationLoss = build_loss(
+            loss, **{f"student_{k}": v for k, v in student_facts.items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+        )
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype)
         student_model = models.load(student, self.student_ds_config, self.training.dtype)

@@ -56,12 +56,20 @@ def model_config(source: ModelSource) -> PretrainedConfig | None:
         ) from err
 
 
-def hidden_size(source: ModelSource) -> int | None:
+def facts(source: ModelSource) -> dict[str, int | None]:
+    """Width and depth, read from the config: ZeRO bucket sizes and hidden-state losses are sized by them."""
     config = model_config(source)
     if config is None:
-        return None
+        return {"hidden_size": None, "num_layers": None}
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    return {
+        "hidden_size": getattr(config, "hidden_size", None) or getattr(config, "n_embd", None),
+        "num_layers": getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None),
+    }
+
+
+def hidden_size(source: ModelSource) -> int | None:
+    return facts(source)["hidden_size"]
 
 
 def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str) -> nn.Module:
