@@ -71,8 +71,9 @@ class Distiller:
             **{f"teacher_{k}": v for k, v in teacher_facts.items()},
         )
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
-        teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype)
-        student_model = models.load(student, self.student_ds_config, self.training.dtype)
+        need_attentions = self.loss.needs_attentions
+        teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
+        student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         check_vocabularies(student_model, teacher_model)
         self.teacher = engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
         self.student = engines.build_student(student_model, self.loss, self.student_ds_config)

@@ -72,12 +72,17 @@ def hidden_size(source: ModelSource) -> int | None:
     return facts(source)["hidden_size"]
 
 
-def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str) -> nn.Module:
-    """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout; modules pass through."""
+def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_attentions: bool = False) -> nn.Module:
+    """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout; modules pass through.
+
+    Fused attention kernels (SDPA, flash) return no attention maps, so a loss that needs them gets eager
+    attention, and every other run keeps the fast default.
+    """
     if isinstance(source, nn.Module):
         return source
+    kwargs = {"attn_implementation": "eager"} if need_attentions else {}
     with active_transformers_config(ds_config):
-        return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype])
+        return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype], **kwargs)
 
 
 def check_tokenizers(teacher_tokenizer: Any, student_tokenizer: Any) -> None:

@@ -9,7 +9,7 @@ import pytest
 from launch import ROOT, run_ranks
 
 WORKER = ROOT / "tests/workers/core_scenarios.py"
-SCENARIOS = ["zero2_zero3", "teacher_sharding", "zero3_zero3", "zero2_zero0", "seed_configs"]
+SCENARIOS = ["zero2_zero3", "teacher_sharding", "zero3_zero3", "zero2_zero0", "losses_and_hooks", "seed_configs"]
 pytestmark = pytest.mark.multirank
 
 
@@ -80,3 +80,18 @@ def test_seed_configs_drive_a_run_with_offloaded_optimizer(two_ranks):
         assert result["offload"]
         assert len(result["losses"]) == 3
         assert all(loss > 0 for loss in result["losses"])
+
+
+def test_weighted_losses_projection_and_user_loss_train(two_ranks):
+    for result in two_ranks["losses_and_hooks"]:
+        assert {"cross_entropy", "forward_kl", "hidden_mse", "HalfForwardKL"} <= set(result["parts"])
+        assert result["last"] < result["first"]
+        assert result["projection_moved"]  # trained by the student's optimizer...
+        assert result["projection_in_checkpoint"]  # ...saved with it...
+        assert not result["student_has_projection"]  # ...and not part of the student
+
+
+def test_readme_subclass_overrides_one_hook(two_ranks):
+    for result in two_ranks["losses_and_hooks"]:
+        assert "topk_kl" in result["subclass_parts"]
+        assert result["subclass_last"] < 0.8 * result["subclass_first"]

@@ -153,6 +153,41 @@ def seed_configs(out: Path, pair: tuple[Path, Path]) -> None:
     })
 
 
+def readme_subclass() -> type[Distiller]:
+    """The README's subclassing example, executed as written."""
+    readme = (ROOT / "README.md").read_text()
+    code = next(block for block in readme.split("```python")[1:] if "class TopKDistiller" in block)
+    namespace: dict = {}
+    exec(code.split("```")[0], namespace)
+    return namespace["TopKDistiller"]
+
+
+def losses_and_hooks(out: Path, pair: tuple[Path, Path]) -> None:
+    """A weighted sum with a learned projection and a user loss by path; the README's subclass."""
+    teacher_dir, student_dir = pair
+    spec = [{"name": "cross_entropy", "weight": 0.5}, {"name": "forward_kl", "weight": 0.5},
+            {"name": "hidden_mse", "weight": 0.1}, {"name": "user_losses:HalfForwardKL", "weight": 1.0}]
+    training = TrainingConfig(max_steps=20, micro_batch_size=4, lr=1e-2, log_every=100)
+    data = random_batches(4, 4, LENGTH, seed=200 + distributed.rank())
+    distiller = Distiller(student_dir, teacher_dir, loss=spec, training=training)
+    projection = [p.detach().clone() for p in distiller.loss.parameters()]
+    history = distiller.train(data)
+    distiller.save(out / "ckpt")
+    subclassed = readme_subclass()(student_dir, teacher_dir, training=training)
+    sub_history = subclassed.train(data)
+    states = torch.load(next((out / "ckpt").glob("*/mp_rank_00_model_states.pt")), weights_only=False)
+    write(out, "losses_and_hooks", {
+        "parts": sorted(history[0]),
+        "first": history[0]["loss"], "last": history[-1]["loss"],
+        "projection_moved": any(not torch.equal(a, b) for a, b in zip(projection, distiller.loss.parameters(),
+                                                                           strict=True)),
+        "projection_in_checkpoint": any("projection" in k for k in states["module"]),
+        "student_has_projection": any("projection" in n for n, _ in distiller.student_model.named_parameters()),
+        "subclass_first": sub_history[0]["loss"], "subclass_last": sub_history[-1]["loss"],
+        "subclass_parts": sorted(sub_history[0]),
+    })
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     scenarios = sys.argv[2].split(",")
@@ -172,6 +207,8 @@ def main() -> None:
         persistence(out, equivalence(out, "zero3_zero3", zero3_student, TEACHER_CFG, pair))
     if "zero2_zero0" in scenarios:
         equivalence(out, "zero2_zero0", CONSTANT_LR, zero0_teacher, pair)
+    if "losses_and_hooks" in scenarios:
+        losses_and_hooks(out, pair)
     if "seed_configs" in scenarios:
         seed_configs(out, pair)
 
