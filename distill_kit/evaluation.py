@@ -1,0 +1,105 @@
+"""Held-out evaluation of one or more students against the teacher, through local `evaluate` modules.
+
+Per counted token (next label not -100) it collects each model's negative log-likelihood, the
+teacher-student KL and both argmax tokens, gathers them from every rank, and lets the modules in
+``distill_kit/metrics`` turn them into perplexity, top-1 agreement and mean KL. The teacher runs once
+per batch however many students are evaluated; every rank must pass the same number of batches (the
+ZeRO-3 teacher's forward is a collective), which the data loaders guarantee.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import evaluate
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distill_kit import distributed
+from losses.base import next_token_labels, valid_positions
+
+METRICS_DIR = Path(__file__).resolve().parent / "metrics"
+CHUNK_TOKENS = 2048  # rows upcast to float32 at a time: bounds memory at large vocabularies
+
+Forward = Callable[[dict[str, torch.Tensor]], Any]
+
+
+def load_metric(name: str) -> evaluate.EvaluationModule:
+    return evaluate.load(str(METRICS_DIR / f"{name}.py"))
+
+
+@torch.no_grad()
+def token_statistics(student_logits: torch.Tensor, teacher_logits: torch.Tensor, batch: Mapping[str, Any]) -> dict:
+    """1-D CPU tensors over this batch's counted tokens: NLLs, KL(teacher || student) and argmaxes."""
+    rows = valid_positions(batch).reshape(-1).nonzero().squeeze(1)
+    labels = next_token_labels(batch).reshape(-1)
+    vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    s_flat = student_logits.reshape(-1, student_logits.shape[-1])
+    t_flat = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in ("student_nll", "teacher_nll", "kl", "student_top1",
+                                                           "teacher_top1")}
+    for chunk in rows.split(CHUNK_TOKENS):
+        s_logp = F.log_softmax(s_flat.index_select(0, chunk)[:, :vocab].float(), dim=-1)
+        t_logp = F.log_softmax(t_flat.index_select(0, chunk)[:, :vocab].float(), dim=-1)
+        target = labels.index_select(0, chunk).unsqueeze(1)
+        out["student_nll"].append(-s_logp.gather(1, target).squeeze(1))
+        out["teacher_nll"].append(-t_logp.gather(1, target).squeeze(1))
+        out["kl"].append((t_logp.exp() * (t_logp - s_logp)).sum(-1))
+        out["student_top1"].append(s_logp.argmax(-1))
+        out["teacher_top1"].append(t_logp.argmax(-1))
+    return {k: torch.cat(v).cpu() if v else torch.empty(0) for k, v in out.items()}
+
+
+def _gather(values: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """Every rank's token statistics, concatenated on rank 0 (None elsewhere)."""
+    local = {k: torch.cat(v) if v else torch.empty(0) for k, v in values.items()}
+    if distributed.world_size() == 1:
+        return local
+    everyone: list[Any] = [None] * distributed.world_size()
+    dist.all_gather_object(everyone, local)
+    if not distributed.is_main():
+        return None
+    return {k: torch.cat([part[k] for part in everyone]) for k in local}
+
+
+@torch.no_grad()
+def evaluate_students(
+    students: Mapping[str, Forward],
+    teacher_forward: Forward,
+    batches: Iterable[Mapping[str, Any]],
+    device: torch.device,
+    max_batches: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """``{"teacher": {...}, <student name>: {...}}`` on every rank: perplexity, nll, KL, top-1 agreement."""
+    values: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in students}
+    teacher_nll: list[torch.Tensor] = []
+    for batch in itertools.islice(batches, max_batches):
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        teacher_logits = teacher_forward(batch).logits
+        for name, forward in students.items():
+            stats = token_statistics(forward(batch).logits, teacher_logits, batch)
+            for key, tensor in stats.items():
+                values[name].setdefault(key, []).append(tensor)
+        teacher_nll.append(stats["teacher_nll"])
+
+    results: list[Any] = [None]
+    gathered = {name: _gather(v) for name, v in values.items()}
+    teacher = _gather({"teacher_nll": teacher_nll})
+    if distributed.is_main():
+        perplexity, agreement, kl = load_metric("perplexity"), load_metric("top1_agreement"), load_metric("mean_kl")
+        report = {"teacher": perplexity.compute(predictions=teacher["teacher_nll"].double().tolist())}
+        for name, stats in gathered.items():
+            report[name] = (
+                perplexity.compute(predictions=stats["student_nll"].double().tolist())
+                | agreement.compute(predictions=stats["student_top1"].tolist(),
+                                    references=stats["teacher_top1"].tolist())
+                | kl.compute(predictions=stats["kl"].double().tolist())
+            )
+        results = [report]
+    if distributed.world_size() > 1:
+        dist.broadcast_object_list(results, src=0)
+    return results[0]

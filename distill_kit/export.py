@@ -1,0 +1,35 @@
+"""Write a trained student as a Hugging Face model directory that ``from_pretrained`` loads anywhere.
+
+Under ZeRO-3 each rank holds a slice of every weight, and ``save_pretrained`` on a rank would write
+slices (or empty tensors). The weights are gathered first (all ranks take part), and rank 0 writes.
+Under ZeRO-0/1/2 the weights are already whole on every rank and the gather is a no-op.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch.distributed as dist
+from torch import nn
+
+from distill_kit import distributed
+from distill_kit.models import active_transformers_config
+
+
+def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | None = None) -> Path:
+    """Save ``model`` (the bare student, without loss parameters) and its tokenizer to ``directory``."""
+    directory = Path(directory)
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        if distributed.is_main():
+            state = {name: tensor.detach().clone().cpu() for name, tensor in model.state_dict().items()}
+            # No DeepSpeed config may be active: transformers would then save the (partitioned) parameters.
+            with active_transformers_config(None):
+                model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+    return directory

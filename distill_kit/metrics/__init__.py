@@ -1,0 +1,1 @@
+"""Local `evaluate` modules (loaded by path with ``evaluate.load``: the hub's metrics need a network)."""

@@ -1,0 +1,83 @@
+"""The run's report: did distillation help? Printed, written as JSON, and drawn as loss curves.
+
+A distillation framework has to show its students beat the same student trained on the same tokens
+without a teacher; when the run trains such a student (loss ``cross_entropy`` alone), the report
+states each distilled student's held-out perplexity against it and against the teacher.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+NO_TEACHER_LOSS = "cross_entropy"
+
+
+def no_teacher_students(losses: Mapping[str, Any]) -> list[str]:
+    """Students whose only loss is hard-label cross-entropy: the baseline a distilled student must beat."""
+    return [name for name, loss in losses.items() if loss == NO_TEACHER_LOSS or loss == {"name": NO_TEACHER_LOSS}]
+
+
+def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any]) -> dict[str, Any]:
+    baselines = no_teacher_students(losses)
+    summary: dict[str, Any] = {"teacher_perplexity": final["teacher"]["perplexity"], "students": {}}
+    for name in losses:
+        row = dict(final[name])
+        if baselines and name not in baselines:
+            base = final[baselines[0]]["perplexity"]
+            row["no_teacher_perplexity"] = base
+            row["perplexity_reduction_vs_no_teacher"] = 1.0 - row["perplexity"] / base
+        summary["students"][name] = row
+    return summary
+
+
+def table(summary: Mapping[str, Any]) -> str:
+    lines = [f"{'model':<14}{'held-out ppl':>14}{'top-1 agree':>13}{'KL to teacher':>15}",
+             f"{'teacher':<14}{summary['teacher_perplexity']:>14.3f}{'':>13}{'':>15}"]
+    for name, row in summary["students"].items():
+        lines.append(f"{name:<14}{row['perplexity']:>14.3f}{row['top1_agreement']:>13.3f}{row['mean_kl']:>15.4f}")
+    for name, row in summary["students"].items():
+        if "no_teacher_perplexity" in row:
+            lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
+                         f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower)")
+    return "\n".join(lines)
+
+
+def plot(path: Path, histories: Mapping[str, Sequence[Mapping[str, float]]],
+         evaluations: Sequence[Mapping[str, Any]]) -> None:
+    """Left: each student's training loss by step. Right: held-out perplexity by step, teacher dashed."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, history in histories.items():
+        left.plot([r["step"] for r in history], [r["loss"] for r in history], label=name)
+    left.set(title="training loss (each student's own objective)", xlabel="optimizer step", ylabel="loss")
+    left.legend()
+    for name in histories:
+        points = [(e["step"], e["metrics"][name]["perplexity"]) for e in evaluations if name in e["metrics"]]
+        if points:
+            right.plot(*zip(*points, strict=True), marker="o", label=name)
+    if evaluations:
+        right.axhline(evaluations[-1]["metrics"]["teacher"]["perplexity"], color="k", linestyle="--", label="teacher")
+    right.set(title="held-out perplexity", xlabel="optimizer step", ylabel="perplexity", yscale="log")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out_dir: Path, config: Mapping[str, Any], losses: Mapping[str, Any],
+          histories: Mapping[str, Sequence[Mapping[str, float]]], evaluations: Sequence[Mapping[str, Any]],
+          extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``report.json`` and ``loss_curves.png`` in ``out_dir``; returns the summary."""
+    summary = summarize(evaluations[-1]["metrics"], losses)
+    report = {"summary": summary, "evaluations": list(evaluations), "histories": dict(histories),
+              "config": dict(config), **extra}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    plot(out_dir / "loss_curves.png", histories, evaluations)
+    return summary

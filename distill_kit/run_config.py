@@ -1,0 +1,329 @@
+"""The run config of ``scripts/distill.py``: typed sections, from defaults, a YAML/JSON file and flags.
+
+Precedence: the dataclass defaults (which are the embedded default run), then ``--config FILE``, then
+command-line overrides written ``--section.key value``, ``--section.key=value`` or ``section.key=value``.
+Every key is checked against the dataclasses before anything runs: a misspelled key is an error that
+suggests the closest valid one, and a value is converted to the field's type or rejected. The help text
+of every field is its docstring in the source, so ``--help`` and the code never disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from distill_kit.config import TrainingConfig
+from distill_kit.data import DataConfig
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_TEACHER = PACKAGE_DIR / "assets" / "default" / "teacher"
+CONFIG_DIR = PACKAGE_DIR.parent / "configs"
+STDLIB_CORPUS = "stdlib"
+
+
+class ConfigError(ValueError):
+    """A run config that cannot run; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    """One student: where it comes from and what it learns from."""
+
+    name: str = "distilled"
+    """A label for logs, the report and the output folder (``<output_dir>/<name>``)."""
+    model: str | None = None
+    """A save_pretrained directory or hub name; None builds a fresh model from ``init`` (random weights)."""
+    init: dict[str, Any] = field(default_factory=dict)
+    """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
+    loss: Any = "forward_kl"
+    """A loss name, {name: ..., params}, a list of {name, weight} for a weighted sum, or 'pkg.mod:Class'."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
+
+    every: int = 0
+    """Optimizer steps between evaluations; 0 evaluates only at the end."""
+    max_batches: int | None = None
+    """Micro-batches per rank per evaluation; None uses the whole held-out split."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole distillation run. The defaults are the embedded default: it runs offline on 2 CPU cores."""
+
+    teacher: str = str(DEFAULT_TEACHER)
+    """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
+    students: tuple[StudentConfig, ...] = (StudentConfig(),)
+    """The students trained together on the same batches, each its own DeepSpeed engine."""
+    data: DataConfig = field(default_factory=lambda: DataConfig(train=STDLIB_CORPUS))
+    """Training and held-out text. data.train 'stdlib' is this Python's standard library sources."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimizer steps, batch, learning rate, precision; every "auto" in the DeepSpeed configs comes from here."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    student_ds_config: str = str(CONFIG_DIR / "zero2_student.json")
+    """The students' DeepSpeed config (JSON/HJSON, "auto" allowed)."""
+    teacher_ds_config: str = str(CONFIG_DIR / "zero3_teacher.json")
+    """The teacher's DeepSpeed config; ZeRO-3 shards it, stage 0 replicates it."""
+    student_ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys written into the students' config, e.g. {zero_optimization.stage: 3}."""
+    teacher_ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys written into the teacher's config,
+    e.g. {zero_optimization.stage3_prefetch_bucket_size: 5e8}."""
+    output_dir: str = "runs/default"
+    """Checkpoints, exported students, logs and the report go here."""
+    cache_dir: str = ".cache"
+    """Prepared corpora and other one-time work, reused by later runs."""
+
+
+# ---- field documentation, from the docstrings under each field ------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal written under each field of a dataclass, by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _student_type(tp: Any) -> Any:
+    """The dataclass inside ``tuple[X, ...]``, else None."""
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if args and _is_dataclass_type(args[0]):
+            return args[0]
+    return None
+
+
+def help_text() -> str:
+    lines = [
+        "usage: distill.py [--config FILE] [--print-config] [--resume] [--SECTION.KEY VALUE ...]",
+        "",
+        "Distil a frozen teacher into one or more students on DeepSpeed. With no arguments: the embedded",
+        "default (the shipped stdlib teacher, a fresh student, and the same student without a teacher).",
+        "",
+        "  --config FILE      a YAML or JSON run config (its keys are the ones below)",
+        "  --print-config     print the resolved config as YAML and exit",
+        "  --resume           continue from the latest complete checkpoint in output_dir",
+        "",
+        "Config keys (override any as --key value; lists and dicts in YAML syntax):",
+    ]
+
+    def describe(defaults: Any, prefix: str) -> None:
+        cls = type(defaults)
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if _is_dataclass_type(tp):
+                lines.append(f"  {prefix}{f.name}.*  {docs.get(f.name, '')}".rstrip())
+                describe(getattr(defaults, f.name), f"{prefix}{f.name}.")
+                continue
+            shown = json.dumps(_plain(getattr(defaults, f.name)), default=str)
+            lines.append(f"  {prefix}{f.name} (default {shown})")
+            if f.name in docs:
+                lines.extend(textwrap.wrap(docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+            inner = _student_type(tp)
+            if inner is not None:
+                lines.append(f"      each entry has: {', '.join(x.name for x in dataclasses.fields(inner))}")
+
+    describe(RunConfig(), "")
+    return "\n".join(lines)
+
+
+# ---- dicts <-> dataclasses -------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses, tuples and paths as YAML-friendly dicts, lists and strings."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    return _plain(config)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """``value`` (from YAML or a command-line string) as type ``tp``, or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is tuple:
+        items = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
+        if len(items) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(items)}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
+    if origin in (dict, Mapping) or tp is dict:
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(parsed, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(parsed)
+    if origin in (list, Sequence):
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        return list(parsed) if isinstance(parsed, (list, tuple)) else [parsed]
+    if _is_dataclass_type(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return build(tp, value, f"{key}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp in (int, float):
+        try:
+            number = tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return number
+    if tp is str:
+        if isinstance(value, (Mapping, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+    """A dataclass from a (possibly partial) mapping; unknown keys are errors with the closest valid key."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}': {hint}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from err
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _scalar(text: Any) -> Any:
+    """A command-line string as the number, bool or structure it spells (``5e8`` is a float here)."""
+    if not isinstance(text, str):
+        return text
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return yaml.safe_load(text)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b.c``; inside a dict-typed field (ds overrides, student init) the rest of the key is kept whole."""
+    parts = dotted.split(".")
+    cls: Any = RunConfig
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        tp = typing.get_type_hints(cls).get(part) if _is_dataclass_type(cls) else None
+        if _is_dataclass_type(cls) and tp is None:
+            build(cls, {part: None}, ".".join(parts[:i]) + ("." if i else ""))  # raises the unknown-key error
+        if tp is not None and not _is_dataclass_type(tp):
+            node[part] = dict(node.get(part, {})) | {".".join(parts[i + 1:]): _scalar(value)}
+            return
+        node = node.setdefault(part, {})
+        cls = tp
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
+    """``--a.b 1``, ``--a.b=1`` and ``a.b=1`` -> a nested dict of raw values."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if "=" in arg:
+            key, _, value = arg.lstrip("-").partition("=")
+            i += 1
+        elif arg.startswith("--") and i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"cannot read argument {arg!r}: write --key value or key=value (see --help)")
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def load(config_file: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults, then the file, then the overrides; a ConfigError on any unknown key or bad value."""
+    tree = to_dict(RunConfig())
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"run config {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"run config {str(path)!r} must be a mapping of keys to values")
+        tree = _merge(tree, loaded)
+    tree = _merge(tree, parse_overrides(overrides))
+    return build(RunConfig, tree)
+
+
+def dump(config: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
