@@ -1,0 +1,300 @@
+"""Distillation step speed: ours (ZeRO-2 student + ZeRO-3 teacher) against ZeRO-3 for both, in one launch.
+
+Modes, each built from scratch in turn on the same GPUs with the same data, loss and micro-batch:
+
+* ``ours``: ZeRO-2 student, ZeRO-3 teacher (the Distiller's default configs);
+* ``baseline``: ZeRO-3 for both; the student gets every setting ours has (including the ZeRO-3 settings
+  given to the teacher) except its stage, so the comparison never favours ours by a weaker baseline;
+* ``upper``: ZeRO-2 student and a replicated teacher (stage 0), when the teacher fits on one GPU: what
+  ours would reach if sharding the teacher cost nothing.
+
+A run is ``MODE[@MICRO_BATCH][+LEVER...]``, e.g. ``ours@16+fused``; the levers are in ``LEVERS``. Each
+run reports tokens/s per GPU (median step after warm-up), MFU, peak memory per GPU and the step's split
+into phases (``phases.py``). Before the runs, on a clean device, it measures the logit loss's memory
+against the naive float32 one (``loss_memory.py``). Results go to ``OUT/bench.json``, ``results.md`` and
+``chart.png`` (``report.py``).
+
+GPU (2x H200)::
+
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --runs ours@16+fused baseline@16+fused
+
+CPU smoke (what the test suite runs)::
+
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --pair tiny --seq-len 32 --micro-batch 2 \\
+        --warmup 1 --steps 2 --loss-memory-shape 2,16 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import loss_memory  # this and the other benchmarks/ siblings: the script's directory is on the path
+import pairs
+import report
+import torch
+import transformers
+from naive_loss import NaiveForwardKL
+from phases import TimedDistiller
+from transformers import AutoModelForCausalLM
+
+from distill_kit import TrainingConfig, deepspeed_config, distributed
+from distill_kit.distiller import CONFIG_DIR
+from losses import build_loss
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Mode:
+    student_stage: int
+    teacher_stage: int
+    description: str
+
+
+MODES = {
+    "ours": Mode(2, 3, "ZeRO-2 student + ZeRO-3 teacher"),
+    "baseline": Mode(3, 3, "ZeRO-3 student + ZeRO-3 teacher"),
+    "upper": Mode(2, 0, "ZeRO-2 student + replicated teacher"),
+}
+
+LEVERS = {
+    "fused": "fused AdamW kernel for the student (torch.optim.AdamW(fused=True)) instead of foreach",
+    "naive": "naive full-vocabulary float32 forward KL instead of the chunked logit loss",
+    "persist": "ZeRO-3 parameter persistence threshold 2e6 (teacher k/v projections stay whole)",
+    "eager": "eager attention instead of SDPA (flash) attention",
+    "autozero3": "the configs' 'auto' ZeRO-3 sizes instead of --zero3",
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    mode: str
+    micro_batch: int
+    levers: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}@{self.micro_batch}" + "".join(f"+{lever}" for lever in self.levers)
+
+
+def parse_run(text: str, default_micro_batch: int) -> Run:
+    head, *levers = text.split("+")
+    mode, _, micro_batch = head.partition("@")
+    if mode not in MODES or any(lever not in LEVERS for lever in levers):
+        raise argparse.ArgumentTypeError(
+            f"bad run {text!r}: MODE[@MICRO_BATCH][+LEVER...] with MODE in {sorted(MODES)} "
+            f"and LEVER in {sorted(LEVERS)}"
+        )
+    return Run(mode, int(micro_batch) if micro_batch else default_micro_batch, tuple(sorted(levers)))
+
+
+def parse_setting(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. stage3_prefetch_bucket_size=5e8, got {text!r}")
+    return f"zero_optimization.{key}", int(float(value))
+
+
+def ds_overrides(run: Run, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Student and teacher config overrides for one run; ZeRO-3 settings reach every ZeRO-3 model alike."""
+    mode = MODES[run.mode]
+    zero3 = {} if "autozero3" in run.levers else dict(args.zero3)
+    if "persist" in run.levers:
+        zero3["zero_optimization.stage3_param_persistence_threshold"] = int(2e6)
+    student = {"zero_optimization.stage": mode.student_stage}
+    if mode.student_stage == 3:
+        student |= zero3
+    if "fused" in run.levers:
+        student["optimizer.params.fused"] = True
+    teacher = {"zero_optimization.stage": mode.teacher_stage} | (zero3 if mode.teacher_stage == 3 else {})
+    return student, teacher
+
+
+def random_batches(count: int, micro_batch: int, length: int, vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": (ids := torch.randint(0, vocab, (micro_batch, length), generator=generator)),
+             "attention_mask": torch.ones_like(ids)} for _ in range(count)]
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    if distributed.world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.item()
+
+
+def release(distiller: TimedDistiller) -> None:
+    """Give back both engines' hooks and buffers, so that the next mode starts on an empty device."""
+    for engine in (distiller.student, distiller.teacher):
+        if isinstance(engine, deepspeed.DeepSpeedEngine):
+            engine.destroy()
+
+
+def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    pair, cuda = pairs.PAIRS[args.pair], device.type == "cuda"
+    result: dict[str, Any] = {"label": run.label, "mode": run.mode, "description": MODES[run.mode].description,
+                              "micro_batch": run.micro_batch, "levers": list(run.levers)}
+    if MODES[run.mode].teacher_stage < 3 and cuda:
+        need = facts["teacher_params"] * pairs.TORCH_DTYPES[args.dtype].itemsize
+        if need > 0.5 * torch.cuda.get_device_properties(device).total_memory:
+            return result | {"status": f"skipped: a replicated teacher needs {need / GIB:.0f} GiB per GPU"}
+    training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=run.micro_batch, dtype=args.dtype,
+                              lr=1e-5, log_every=10**9)
+    student_overrides, teacher_overrides = ds_overrides(run, args)
+    student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
+        CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
+        student_hidden_size=pair.student.hidden_size, teacher_hidden_size=pair.teacher.hidden_size,
+        world_size=distributed.world_size(), student_overrides=student_overrides, teacher_overrides=teacher_overrides,
+    )
+    loss = NaiveForwardKL() if "naive" in run.levers else build_loss({"name": args.loss, "chunk_size": args.chunk_size})
+    attention = "eager" if "eager" in run.levers else "sdpa"
+    build_start = time.perf_counter()
+    # Teacher first, as the Distiller loads it: the large model must never sit unsharded beside the student.
+    teacher = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, attention)
+    student = pairs.build(pair.student, student_cfg, args.dtype, device, attention)
+    distiller = TimedDistiller(student, teacher, loss=loss, training=training,
+                               student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
+    result["build_s"] = time.perf_counter() - build_start
+    batches = random_batches(training.max_steps, run.micro_batch, args.seq_len, pair.student.vocab_size,
+                             seed=args.seed + distributed.rank())
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    history = distiller.train(batches)
+    if cuda:
+        torch.cuda.synchronize(device)
+    summary = distiller.clock.summary(time.perf_counter(), skip=args.warmup)
+    tokens = run.micro_batch * args.seq_len * training.gradient_accumulation_steps
+    tokens_per_s = tokens / (summary["step_ms"] / 1e3)
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else None
+    flops = facts["flops_per_token"] * tokens_per_s
+    result |= {
+        "status": "ok",
+        "tokens_per_step_per_gpu": tokens,
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "mfu_spec": flops / (args.peak_tflops * 1e12),
+        "mfu_measured": flops / (args.measured_tflops * 1e12),
+        "peak_allocated_gib": None if peak is None else max_over_ranks(peak, device),
+        "peak_reserved_gib": None if reserved is None else max_over_ranks(reserved, device),
+        "attention": distiller.student_model.config._attn_implementation,
+        "optimizer": type(distiller.student.optimizer.optimizer).__name__,
+        "losses": [h["loss"] for h in history],
+        **summary,
+    }
+    release(distiller)
+    del distiller, teacher, student
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    result["memory_left_gib"] = torch.cuda.memory_allocated(device) / GIB if cuda else None
+    return result
+
+
+def model_facts(pair: pairs.Pair) -> dict[str, Any]:
+    """Parameter counts from shapes alone (meta tensors, no memory) and the model FLOPs per trained token."""
+    with torch.device("meta"):
+        teacher = pairs.parameter_count(AutoModelForCausalLM.from_config(pair.teacher))
+        student = pairs.parameter_count(AutoModelForCausalLM.from_config(pair.student))
+    # 6 N for the student (forward + backward), 2 N for the teacher (forward only).
+    return {"teacher_params": teacher, "student_params": student, "flops_per_token": 6 * student + 2 * teacher}
+
+
+def launch_command() -> str:
+    script = "benchmarks/bench_step.py " + shlex.join(sys.argv[1:])
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return f"torchrun --nproc_per_node {os.environ['LOCAL_WORLD_SIZE']} {script}"
+    return f"python {script}"
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{distributed.world_size()}x {torch.cuda.get_device_name(device)}"
+    return f"{distributed.world_size()} CPU ranks (gloo)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for bench.json, results.md, chart.png")
+    parser.add_argument("--pair", choices=sorted(pairs.PAIRS), default="qwen2-7b-0.5b")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU for runs that name none")
+    parser.add_argument("--runs", nargs="+", default=["ours", "baseline", "upper"],
+                        help="MODE[@MICRO_BATCH][+LEVER...]; levers: "
+                        + "; ".join(f"{k}: {v}" for k, v in LEVERS.items()))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
+    parser.add_argument("--loss", default="forward_kl", help="a registered logit loss")
+    parser.add_argument("--chunk-size", type=int, default=4096, help="the logit loss's rows per float32 chunk")
+    parser.add_argument("--zero3", type=parse_setting, nargs="*",
+                        default=[parse_setting("stage3_prefetch_bucket_size=5e8"),
+                                 parse_setting("stage3_max_live_parameters=3e9")],
+                        help="ZeRO-3 settings for every ZeRO-3 model, KEY=VALUE under zero_optimization")
+    parser.add_argument("--loss-memory-shape", default="8,2048", help="BATCH,LENGTH for the loss-memory measurement")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
+    parser.add_argument("--measured-tflops", type=float, default=790.0, help="bf16 matmul measured on an H200")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.runs = [parse_run(text, args.micro_batch) for text in args.runs]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = distributed.init()
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    transformers.logging.set_verbosity_error()
+    pair = pairs.PAIRS[args.pair]
+    facts = model_facts(pair)
+    batch, length = (int(x) for x in args.loss_memory_shape.split(","))
+    memory = loss_memory.measure(
+        build_loss({"name": args.loss, "chunk_size": args.chunk_size}), NaiveForwardKL(),
+        (batch, length, pair.student.vocab_size), device, pairs.TORCH_DTYPES[args.dtype],
+    )
+    runs = []
+    for run in args.runs:
+        runs.append(measure(run, args, facts, device))
+        if distributed.is_main():
+            print(f"[bench] {run.label}: {runs[-1].get('tokens_per_s_per_gpu', runs[-1]['status'])}", flush=True)
+    if distributed.is_main():
+        result = {
+            "meta": {
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "machine": machine(device),
+                "command": launch_command(),
+                "pair": pair.description,
+                "world_size": distributed.world_size(),
+                "seq_len": args.seq_len,
+                "dtype": args.dtype,
+                "loss": f"{args.loss} (chunk {args.chunk_size})",
+                "zero3": {k.removeprefix("zero_optimization."): v for k, v in args.zero3},
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "peak_tflops": args.peak_tflops,
+                "measured_tflops": args.measured_tflops,
+                "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                             "transformers": transformers.__version__},
+                **facts,
+            },
+            "loss_memory": memory,
+            "runs": runs,
+        }
+        report.write_outputs(result, args.out)
+        print(report.markdown(result), flush=True)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

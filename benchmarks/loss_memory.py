@@ -1,0 +1,56 @@
+"""Peak device memory of one logit loss's forward + backward, ours (chunked) against the naive float32 one.
+
+Both losses get the same bf16 logits (student with ``requires_grad``, teacher without), already in
+memory before the measurement starts; what is reported is the peak *above* them, which includes the
+bf16 gradient of the student logits that any implementation must produce. On the CPU there is no
+allocator to read, so only the time and the loss values are reported.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from losses import DistillationLoss
+
+GIB = 2**30
+
+
+def _one(loss: DistillationLoss, shape: tuple[int, int, int], device: torch.device,
+         dtype: torch.dtype) -> dict[str, Any]:
+    batch_size, length, vocab = shape
+    generator = torch.Generator(device=device).manual_seed(0)
+    student = torch.randn(shape, device=device, dtype=dtype, generator=generator).requires_grad_(True)
+    teacher = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    input_ids = torch.randint(0, vocab, (batch_size, length), device=device, generator=generator)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    out = loss(SimpleNamespace(logits=student), SimpleNamespace(logits=teacher), batch)
+    out.total.backward()
+    if cuda:
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(device) - before) / GIB if cuda else None
+    return {"peak_above_inputs_gib": peak, "seconds": seconds, "loss": out.total.item()}
+
+
+def measure(ours: DistillationLoss, naive: DistillationLoss, shape: tuple[int, int, int],
+            device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Ours first, then naive, each on fresh inputs; the second does not see the first's cached blocks."""
+    result: dict[str, Any] = {"tokens": shape[0] * shape[1], "batch": shape[0], "length": shape[1],
+                              "vocab": shape[2], "dtype": str(dtype).removeprefix("torch.")}
+    for name, loss in (("ours", ours), ("naive", naive)):
+        result[name] = _one(loss, shape, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    peaks = result["ours"]["peak_above_inputs_gib"], result["naive"]["peak_above_inputs_gib"]
+    result["ours_over_naive"] = peaks[0] / peaks[1] if None not in peaks else None
+    return result

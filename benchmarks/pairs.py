@@ -1,0 +1,76 @@
+"""The teacher/student pairs the step benchmark distils, built random-initialised in their engines' layout.
+
+Step time depends on shapes, not on what the weights learned, and the GPU machine cannot download
+checkpoints; so the models are built from configs with random weights. A ZeRO-3 model is built under
+transformers' ZeRO-3 context (``zero.Init``), so a 7.6B teacher never exists whole on any rank, exactly
+as ``from_pretrained`` would place a real one; any other model is built directly on its device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from distill_kit.deepspeed_config import zero_stage
+from distill_kit.models import TORCH_DTYPES, active_transformers_config
+
+QWEN2_VOCAB = 151_936
+
+
+def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+          tied: bool) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+        max_position_embeddings=32_768, rope_theta=1_000_000.0, rms_norm_eps=1e-6, use_cache=False,
+    )
+
+
+@dataclass(frozen=True)
+class Pair:
+    teacher: Qwen2Config
+    student: Qwen2Config
+    description: str
+
+
+PAIRS: dict[str, Pair] = {
+    # Qwen2-7B and Qwen2-0.5B shapes (both cut to the tokenizer's 151,936 ids): 7.6B and 0.49B parameters.
+    "qwen2-7b-0.5b": Pair(
+        qwen2(3584, 18944, 28, 28, 4, QWEN2_VOCAB, tied=False),
+        qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
+        "Qwen2-7B-shaped teacher, Qwen2-0.5B-shaped student",
+    ),
+    # Qwen2-1.5B teacher for a quicker look at the same student.
+    "qwen2-1.5b-0.5b": Pair(
+        qwen2(1536, 8960, 28, 12, 2, QWEN2_VOCAB, tied=True),
+        qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
+        "Qwen2-1.5B-shaped teacher, Qwen2-0.5B-shaped student",
+    ),
+    # The CPU smoke run: every code path, seconds per step.
+    "tiny": Pair(
+        qwen2(64, 128, 2, 4, 2, 256, tied=False),
+        qwen2(32, 64, 1, 4, 2, 256, tied=True),
+        "tiny Qwen2 pair for the CPU smoke test",
+    ),
+}
+
+
+def build(config: Qwen2Config, ds_config: Mapping[str, Any], dtype: str, device: torch.device,
+          attn_implementation: str) -> nn.Module:
+    """A random-initialised causal LM, partitioned at construction when ``ds_config`` is ZeRO-3."""
+    placement = contextlib.nullcontext() if zero_stage(ds_config) == 3 else torch.device(device)
+    with active_transformers_config(ds_config), placement:
+        return AutoModelForCausalLM.from_config(
+            config, dtype=TORCH_DTYPES[dtype], attn_implementation=attn_implementation
+        )
+
+
+def parameter_count(model: nn.Module) -> int:
+    """All parameters, tied ones once, whether or not ZeRO-3 has partitioned them (``ds_numel`` is the full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
