@@ -20,7 +20,7 @@ import transformers
 from torch import nn
 from tqdm.auto import tqdm
 
-from distill_kit import deepspeed_config, distributed, engines, models
+from distill_kit import deepspeed_config, distributed, engines, evaluation, models
 from distill_kit.config import TrainingConfig
 from distill_kit.models import ModelSource
 from losses import DistillationLoss, LossOutput, build_loss
@@ -113,18 +113,20 @@ class Distiller:
 
     # ---- the loop --------------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable[Batch]) -> list[dict[str, float]]:
-        """Run until ``training.max_steps`` optimizer steps; returns one log record per step.
+    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
+        """Run until optimizer step ``until`` (default ``training.max_steps``); one log record per step.
 
         ``batches`` yields this rank's micro-batches. Every rank must yield the same number (the ZeRO-3
         teacher's forward is a collective); a re-iterable (a DataLoader) is read again for more epochs.
+        Calling again with a later ``until`` continues where the last call stopped (evaluate in between).
         """
+        until = self.training.max_steps if until is None else min(until, self.training.max_steps)
         self.student.train()
         history = []
         micro_batches = self._cycle(batches)
-        progress = tqdm(total=self.training.max_steps, initial=self.step, desc="distilling",
+        progress = tqdm(total=until, initial=self.step, desc="distilling",
                         disable=not distributed.is_main(), dynamic_ncols=True)
-        while self.step < self.training.max_steps:
+        while self.step < until:
             step_batches = [self._to_device(next(micro_batches))
                             for _ in range(self.training.gradient_accumulation_steps)]
             normalizer = self.loss_normalizer(step_batches)
@@ -169,33 +171,14 @@ class Distiller:
 
     # ---- evaluation and saving -----------------------------------------------------------------------
 
-    @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """Per-token means over all ranks: the distillation loss and both models' next-token NLL."""
+    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
+        """Held-out perplexity of student and teacher, top-1 agreement and mean KL, over all ranks."""
         self.student.eval()
-        sums = torch.zeros(4, device=self.device, dtype=torch.float64)
-        for batch in batches:
-            batch = self._to_device(batch)
-            teacher_out = self.teacher_forward(batch)
-            student_out = self.student_forward(batch)
-            mask = valid_positions(batch)
-            tokens = mask.sum()
-            loss = self.compute_loss(student_out, teacher_out, {**batch, "loss_normalizer": 1.0})
-            sums += torch.stack([
-                loss.total.double(),
-                _token_nll(student_out.logits, batch, mask),
-                _token_nll(teacher_out.logits, batch, mask),
-                tokens.double(),
-            ])
-        self.student.train()
-        loss_sum, student_nll, teacher_nll, tokens = distributed.all_reduce_sum(sums).tolist()
-        tokens = max(tokens, 1.0)
-        return {
-            "distill_loss": loss_sum / tokens,
-            "student_nll": student_nll / tokens,
-            "teacher_nll": teacher_nll / tokens,
-            "tokens": tokens,
-        }
+        try:
+            return evaluation.evaluate_students({"student": self.student_forward}, self.teacher_forward, batches,
+                                                self.device, max_batches)
+        finally:
+            self.student.train()
 
     def save(self, directory: str | Path) -> None:
         """A resumable DeepSpeed checkpoint of the student (weights, optimizer, scheduler, loss params)."""
@@ -228,14 +211,6 @@ class Distiller:
             yield from iterator
             if iterator is batches:
                 raise ValueError("the training data ran out before max_steps; pass a re-iterable such as a DataLoader")
-
-
-def _token_nll(logits: torch.Tensor, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over counted positions of -log p(next token)."""
-    labels = batch.get("labels", batch["input_ids"])[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return -(picked * mask[:, :-1]).sum().double()
 
 
 def check_vocabularies(student: nn.Module, teacher: nn.Module) -> None:

@@ -65,6 +65,8 @@ def test_teacher_is_sharded_frozen_and_unchanged(two_ranks):
         assert not result["student_partitioned"]  # loaded while the teacher's ZeRO-3 config was not active
         assert not result["transformers_zero3_left_on"]
         assert result["last_loss"] < 0.5 * result["first_loss"]
+        assert result["eval_kl_after"] < 0.5 * result["eval_kl_before"]  # held-out metrics see the same gain
+        assert result["eval_tokens"] > 0 and 0 <= result["eval_agreement_after"] <= 1
 
 
 def test_two_zero3_configs_keep_their_own_persistence(two_ranks):

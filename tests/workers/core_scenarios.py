@@ -109,7 +109,9 @@ def teacher_sharding(out: Path, pair: tuple[Path, Path]) -> None:
     full = sum(p.ds_numel for p in params)
     student_params = list(distiller.student_model.parameters())
     data = random_batches(8, 4, LENGTH, seed=100 + distributed.rank())
+    before = distiller.evaluate(data[:2])
     history = distiller.train(data)
+    after_eval = distiller.evaluate(data[:2])
     on_disk = GPT2LMHeadModel.from_pretrained(teacher_dir).state_dict()
     names = [n for n, _ in distiller.teacher.module.named_parameters()]
     after = dict(zip(names, gathered(params), strict=True))
@@ -120,6 +122,9 @@ def teacher_sharding(out: Path, pair: tuple[Path, Path]) -> None:
         "teacher_training_mode": distiller.teacher.module.training,
         "student_partitioned": any(hasattr(p, "ds_id") for p in student_params),
         "transformers_zero3_left_on": is_deepspeed_zero3_enabled(),
+        "eval_kl_before": before["student"]["mean_kl"], "eval_kl_after": after_eval["student"]["mean_kl"],
+        "eval_agreement_after": after_eval["student"]["top1_agreement"],
+        "eval_tokens": after_eval["teacher"]["tokens"],
         "first_loss": sum(h["loss"] for h in history[:3]) / 3,
         "last_loss": sum(h["loss"] for h in history[-3:]) / 3,
     })
