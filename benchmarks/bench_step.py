@@ -259,40 +259,39 @@ def main() -> None:
     pair = pairs.PAIRS[args.pair]
     facts = model_facts(pair)
     batch, length = (int(x) for x in args.loss_memory_shape.split(","))
+    chunks = sorted({args.chunk_size, 1024}, reverse=True)
     memory = loss_memory.measure(
-        build_loss({"name": args.loss, "chunk_size": args.chunk_size}), NaiveForwardKL(),
+        {f"ours_chunk{chunk}": build_loss({"name": args.loss, "chunk_size": chunk}) for chunk in chunks},
+        NaiveForwardKL(),
         (batch, length, pair.student.vocab_size), device, pairs.TORCH_DTYPES[args.dtype],
     )
-    runs = []
+    result = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(device),
+            "command": launch_command(),
+            "pair": pair.description,
+            "world_size": distributed.world_size(),
+            "seq_len": args.seq_len,
+            "dtype": args.dtype,
+            "loss": f"{args.loss} (chunk {args.chunk_size})",
+            "zero3": {k.removeprefix("zero_optimization."): v for k, v in args.zero3},
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "peak_tflops": args.peak_tflops,
+            "measured_tflops": args.measured_tflops,
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                         "transformers": transformers.__version__},
+            **facts,
+        },
+        "loss_memory": memory,
+        "runs": [],
+    }
     for run in args.runs:
-        runs.append(measure(run, args, facts, device))
-        if distributed.is_main():
-            print(f"[bench] {run.label}: {runs[-1].get('tokens_per_s_per_gpu', runs[-1]['status'])}", flush=True)
-    if distributed.is_main():
-        result = {
-            "meta": {
-                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": machine(device),
-                "command": launch_command(),
-                "pair": pair.description,
-                "world_size": distributed.world_size(),
-                "seq_len": args.seq_len,
-                "dtype": args.dtype,
-                "loss": f"{args.loss} (chunk {args.chunk_size})",
-                "zero3": {k.removeprefix("zero_optimization."): v for k, v in args.zero3},
-                "warmup": args.warmup,
-                "steps": args.steps,
-                "peak_tflops": args.peak_tflops,
-                "measured_tflops": args.measured_tflops,
-                "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                             "transformers": transformers.__version__},
-                **facts,
-            },
-            "loss_memory": memory,
-            "runs": runs,
-        }
-        report.write_outputs(result, args.out)
-        print(report.markdown(result), flush=True)
+        result["runs"].append(measure(run, args, facts, device))
+        if distributed.is_main():  # after every run, so that a run cut short by a time limit keeps the others
+            report.write_outputs(result, args.out)
+            print(report.markdown(result), flush=True)
     torch.distributed.barrier()
 
 

@@ -42,15 +42,16 @@ def _one(loss: DistillationLoss, shape: tuple[int, int, int], device: torch.devi
     return {"peak_above_inputs_gib": peak, "seconds": seconds, "loss": out.total.item()}
 
 
-def measure(ours: DistillationLoss, naive: DistillationLoss, shape: tuple[int, int, int],
+def measure(ours: dict[str, DistillationLoss], naive: DistillationLoss, shape: tuple[int, int, int],
             device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Ours first, then naive, each on fresh inputs; the second does not see the first's cached blocks."""
+    """Each of ours (by name, e.g. one per chunk size), then naive, on fresh inputs and an emptied cache."""
     result: dict[str, Any] = {"tokens": shape[0] * shape[1], "batch": shape[0], "length": shape[1],
                               "vocab": shape[2], "dtype": str(dtype).removeprefix("torch.")}
-    for name, loss in (("ours", ours), ("naive", naive)):
+    for name, loss in (*ours.items(), ("naive", naive)):
         result[name] = _one(loss, shape, device, dtype)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    peaks = result["ours"]["peak_above_inputs_gib"], result["naive"]["peak_above_inputs_gib"]
-    result["ours_over_naive"] = peaks[0] / peaks[1] if None not in peaks else None
+    naive_peak = result["naive"]["peak_above_inputs_gib"]
+    result["over_naive"] = {name: None if naive_peak is None else result[name]["peak_above_inputs_gib"] / naive_peak
+                            for name in ours}
     return result
