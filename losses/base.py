@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from losses.chunked import chunked_logit_loss
+from losses.chunked import ChunkLoss, chunked_loss, dense_chunk_loss
+from losses.sparse import SparseTeacherLogits, top_k_chunk_loss
 
 IGNORE_INDEX = -100
 
@@ -86,7 +87,13 @@ class LogitLoss(DistillationLoss):
     and its ``T**2`` gradient scale (Hinton et al. 2015; switch off with ``scale_by_t2=False``), works in
     chunks of ``chunk_size`` tokens so that no full float32 copy of the logits exists (``losses/chunked.py``:
     the gradient is made per chunk in forward), and normalises.
+
+    The teacher's ``logits`` may also be a captured teacher's top-k targets (:class:`SparseTeacherLogits`);
+    then ``per_token`` gets rows over the k ids (``losses/sparse.py``), unless ``top_k_targets`` is False.
     """
+
+    top_k_targets: bool = True
+    """Whether ``per_token`` means the same on rows over a captured teacher's top k (any divergence does)."""
 
     def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 4096):
         super().__init__()
@@ -104,18 +111,24 @@ class LogitLoss(DistillationLoss):
         """``(n, V)`` float32 logits already divided by T, ``(n,)`` labels -> ``(n,)`` loss per token."""
         raise NotImplementedError
 
+    def chunk_loss(self, teacher_logits: Any, labels: torch.Tensor) -> ChunkLoss:
+        """What each chunk of student rows is compared with: a live teacher's logits or a captured top k."""
+        if not isinstance(teacher_logits, SparseTeacherLogits):
+            return dense_chunk_loss(self.per_token, teacher_logits.reshape(-1, teacher_logits.shape[-1]), labels,
+                                    self.temperature)
+        if not self.top_k_targets:
+            raise ValueError(
+                f"{self.name} cannot use a captured teacher: it needs the teacher's full logits, and the store keeps "
+                "only the top-k log-probabilities. Use a divergence (forward_kl, reverse_kl, generalized_jsd, ...) "
+                "or distil from the live teacher."
+            )
+        return top_k_chunk_loss(self.per_token, teacher_logits, labels, self.temperature, self.name)
+
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
         mask = valid_positions(batch)
         rows = mask.reshape(-1).nonzero().squeeze(1)
-        total = chunked_logit_loss(
-            student.logits.reshape(-1, student.logits.shape[-1]),
-            teacher.logits.reshape(-1, teacher.logits.shape[-1]),
-            next_token_labels(batch).reshape(-1),
-            rows,
-            self.per_token,
-            self.temperature,
-            self.chunk_size,
-        )
+        chunk_loss = self.chunk_loss(teacher.logits, next_token_labels(batch).reshape(-1))
+        total = chunked_loss(student.logits.reshape(-1, student.logits.shape[-1]), rows, chunk_loss, self.chunk_size)
         if self.scale_by_t2:
             total = total * self.temperature**2
         loss = total / normalizer(batch, mask)

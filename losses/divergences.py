@@ -115,5 +115,7 @@ class LogitMSE(LogitLoss):
     Config: ``{name: logit_mse}``.
     """
 
+    top_k_targets = False  # raw logits, which a captured teacher's top-k log-probabilities do not hold
+
     def per_token(self, student_logits, teacher_logits, labels) -> torch.Tensor:
         return functional.mean_squared_error(student_logits, teacher_logits)

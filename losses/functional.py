@@ -5,6 +5,10 @@ temperature, ``p`` is the teacher's distribution ``softmax(teacher_logits)`` and
 Everything works on log-probabilities from ``log_softmax``; mixtures of two distributions are formed
 in log space with ``logaddexp`` so that no probability is ever logged after underflowing to zero.
 Callers upcast to float32 (the chunked path does it per chunk); float64 passes through for tests.
+
+A captured teacher (``distill_kit/teacher_store.py``) keeps only its top ``k`` log-probabilities per token;
+:func:`top_k_rows` turns those and the student's logits into two rows over the same outcomes, which every
+divergence here then takes unchanged: the math of each divergence stays written once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+# The log-probability of an outcome that cannot happen. Finite on purpose: 0 * (log 0 - x) must be 0, not nan.
+IMPOSSIBLE = -1e30
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,3 +112,43 @@ def probability_kl(student_probs: torch.Tensor, teacher_probs: torch.Tensor, eps
     log_p = teacher_probs.clamp_min(eps).log()
     log_q = student_probs.clamp_min(eps).log()
     return (teacher_probs * (log_p - log_q)).sum(-1)
+
+
+def top_k_rows(
+    student_logits: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    ids: torch.Tensor,
+    teacher_log_tail: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher rows over a captured teacher's top ``k`` tokens, for any divergence above.
+
+    ``student_logits`` (n, V) and ``teacher_log_probs`` (n, k) are already divided by the temperature;
+    ``ids`` (n, k) are the teacher's token ids, where an id >= V (a teacher vocabulary padded past the
+    student's) counts as impossible on both sides, as the dense path's vocabulary cut drops it.
+
+    * No tail (``teacher_log_tail`` None): both distributions renormalised over the k ids,
+      p~_i = p_i / sum_k p and q~_i = q_i / sum_k q. The rows are the student's logits at the ids and the
+      teacher's log-probabilities; a divergence's ``log_softmax`` does the renormalising. The student's
+      other logits get no gradient.
+    * Tail bucket (``teacher_log_tail`` (n,), log of the teacher's mass outside the k ids, exact only at
+      temperature 1): k + 1 outcomes, the ids and "any other token". Both rows are log-probabilities;
+      the student's tail is a logsumexp over its other tokens, not ``1 - sum``, so it stays accurate
+      when it is far below float32's resolution of 1. With k = V the tail is impossible on both sides.
+
+    Returns ``(student_rows, teacher_rows)``, each (n, k) or (n, k + 1).
+    """
+    vocab = student_logits.shape[-1]
+    missing = ids >= vocab
+    teacher = teacher_log_probs.masked_fill(missing, IMPOSSIBLE)
+    if teacher_log_tail is None:
+        student = student_logits.gather(-1, ids.clamp(max=vocab - 1)).masked_fill(missing, IMPOSSIBLE)
+        return student, teacher
+    # Column V stands for every id the student lacks: gathering there gives IMPOSSIBLE, and marking it
+    # as "in the top k" keeps it out of the student's tail.
+    log_q = F.pad(F.log_softmax(student_logits, dim=-1), (0, 1), value=IMPOSSIBLE)  # (n, V + 1)
+    index = ids.clamp(max=vocab)
+    in_top_k = torch.zeros_like(log_q, dtype=torch.bool).scatter_(-1, index, True)
+    student_tail = log_q.masked_fill(in_top_k, IMPOSSIBLE).logsumexp(-1, keepdim=True)
+    student = torch.cat([log_q.gather(-1, index), student_tail.clamp(min=IMPOSSIBLE)], dim=-1)
+    teacher = torch.cat([teacher, teacher_log_tail.clamp(min=IMPOSSIBLE).unsqueeze(-1)], dim=-1)
+    return student, teacher

@@ -17,12 +17,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nprocs`` ranks (``torchrun``), or under plain ``python`` when ``nprocs`` is 0.
+def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300,
+              launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nprocs`` ranks (``torchrun`` or ``deepspeed``), or plain ``python`` when ``nprocs`` is 0.
 
     A non-zero exit or a timeout fails the calling test, with the ranks' output in the message.
     """
-    if nprocs:
+    if nprocs and launcher == "deepspeed":
+        command = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nprocs}", "--no_local_rank",
+                   f"--master_port={free_port()}", str(script), *args]
+    elif nprocs:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
                    f"--master_port={free_port()}", str(script), *args]
     else:

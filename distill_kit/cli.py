@@ -1,0 +1,158 @@
+"""``python scripts/distill.py`` / ``distill-kit``: config -> data -> engines -> train -> export -> report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from distill_kit import data, distributed, report, run_config
+from distill_kit.corpus import write_corpus
+from distill_kit.distiller import Distiller
+from distill_kit.export import export_student
+from distill_kit.models import check_tokenizers
+from distill_kit.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+
+logger = logging.getLogger("distill_kit")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _on_main_first(work):
+    """Run ``work`` on rank 0, then on the others: one-time preparation is written once, then reused."""
+    result = work() if distributed.is_main() else None
+    _barrier()
+    return result if distributed.is_main() else work()
+
+
+def _looks_local(path: str) -> bool:
+    """Hub names are ``org/name``; anything else with a path separator or dot-prefix is a local path."""
+    return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
+
+
+def prepare_data(config: RunConfig) -> data.DataConfig:
+    """Resolve ``data.train: stdlib`` to this Python's standard library, written once into the cache."""
+    if config.data.train != STDLIB_CORPUS:
+        return config.data
+    splits = _on_main_first(lambda: write_corpus(Path(config.cache_dir) / "corpus"))
+    return dataclasses.replace(config.data, train=str(splits.train), heldout=str(splits.heldout))
+
+
+def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The student's model directory: the given one (its tokenizer checked), or a fresh one built from
+    the teacher's config with ``init`` overrides and saved, so that it loads like any pretrained model."""
+    if student.model is not None:
+        if (Path(student.model) / "tokenizer_config.json").exists():
+            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+        return student.model
+    path = Path(config.output_dir) / student.name / "init"
+
+    def build() -> None:
+        model_config = AutoConfig.from_pretrained(config.teacher)
+        unknown = [key for key in student.init if not hasattr(model_config, key)]
+        if unknown:
+            raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
+                              f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
+        model_config.update(dict(student.init))
+        AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
+
+    if distributed.is_main():
+        build()
+    _barrier()
+    return str(path)
+
+
+def train_students(config: RunConfig, sources: dict[str, str], train_loader, eval_loader) -> dict[str, Any]:
+    """Each student distilled on the same batches; held-out evaluation every ``eval.every`` steps."""
+    histories: dict[str, list] = {}
+    evaluations: dict[int, dict] = {}
+    distillers = {}
+    every = config.eval.every or config.training.max_steps
+    for student in config.students:
+        distiller = Distiller(sources[student.name], config.teacher, loss=student.loss, training=config.training,
+                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
+                              student_ds_overrides=config.student_ds_overrides,
+                              teacher_ds_overrides=config.teacher_ds_overrides)
+        train_loader.load_state_dict({"epoch": 0, "index": 0})  # every student sees the same tokens
+        histories[student.name] = []
+        for until in range(every, config.training.max_steps + every, every):
+            histories[student.name] += distiller.train(train_loader, until=until)
+            metrics = distiller.evaluate(eval_loader, config.eval.max_batches)
+            evaluations.setdefault(distiller.step, {"teacher": metrics["teacher"]})[student.name] = metrics["student"]
+        distillers[student.name] = distiller
+    return {"distillers": distillers, "histories": histories,
+            "evaluations": [{"step": step, "metrics": m} for step, m in sorted(evaluations.items())]}
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+    """The whole job; returns the report's summary (on every rank)."""
+    started = time.time()
+    distributed.init()
+    out = Path(config.output_dir)
+    for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
+        if path is not None and _looks_local(path) and not Path(path).is_dir():
+            raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
+    data_config = prepare_data(config)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    sources = {s.name: prepare_student(s, config, tokenizer) for s in config.students}
+    splits = _on_main_first(lambda: data.build_splits(data_config, tokenizer))
+    rank, world = distributed.rank(), distributed.world_size()
+    mbs = config.training.micro_batch_size
+    train_loader = data.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
+    eval_loader = data.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
+    trained = train_students(config, sources, train_loader, eval_loader)
+    for name, distiller in trained["distillers"].items():
+        export_student(distiller.student_model, out / name / "final", tokenizer)
+    summary: list[Any] = [None]
+    if distributed.is_main():
+        losses = {s.name: s.loss for s in config.students}
+        extra = {"seconds": time.time() - started, "world_size": world,
+                 "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
+        summary = [report.write(out, run_config.to_dict(config), losses, trained["histories"],
+                                trained["evaluations"], extra)]
+        print(report.table(summary[0]))
+        print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out}/<name>/final")
+    if world > 1:
+        dist.broadcast_object_list(summary, src=0)
+    return summary[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = [a for a in args if not a.startswith("--local_rank")]  # the deepspeed launcher's, read from env
+    if "-h" in args or "--help" in args:
+        print(run_config.help_text())
+        return 0
+    config_file, print_config = None, False
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise SystemExit("--config needs a file: --config path/to/run.yaml")
+        config_file = args[i + 1]
+        del args[i:i + 2]
+    if "--print-config" in args:
+        args.remove("--print-config")
+        print_config = True
+    try:
+        config = run_config.load(config_file, args)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
+    if print_config:
+        print(run_config.dump(config))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    summary = run(config)
+    if distributed.is_main():
+        print(json.dumps(summary["students"], indent=2))
+    return 0
