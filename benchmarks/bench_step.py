@@ -69,6 +69,7 @@ MODES = {
 }
 
 LEVERS = {
+    "bucket": "student gradient reduce bucket 5e8 elements (DeepSpeed's default) instead of 'auto' = hidden^2",
     "fused": "fused AdamW kernel for the student (torch.optim.AdamW(fused=True)) instead of foreach",
     "naive": "naive full-vocabulary float32 forward KL instead of the chunked logit loss",
     "persist": "ZeRO-3 parameter persistence threshold 2e6 (teacher k/v projections stay whole)",
@@ -115,6 +116,8 @@ def ds_overrides(run: Run, args: argparse.Namespace) -> tuple[dict[str, Any], di
     student = {"zero_optimization.stage": mode.student_stage}
     if mode.student_stage == 3:
         student |= zero3
+    if "bucket" in run.levers:
+        student["zero_optimization.reduce_bucket_size"] = int(5e8)
     if "fused" in run.levers:
         student["optimizer.params.fused"] = True
     teacher = {"zero_optimization.stage": mode.teacher_stage} | (zero3 if mode.teacher_stage == 3 else {})
@@ -288,7 +291,13 @@ def main() -> None:
         "runs": [],
     }
     for run in args.runs:
-        result["runs"].append(measure(run, args, facts, device))
+        try:
+            result["runs"].append(measure(run, args, facts, device))
+        except torch.OutOfMemoryError:  # every rank runs the same shapes, so all of them land here together
+            result["runs"].append({"label": run.label, "mode": run.mode, "micro_batch": run.micro_batch,
+                                   "levers": list(run.levers), "status": "out of memory"})
+            gc.collect()
+            torch.cuda.empty_cache()
         if distributed.is_main():  # after every run, so that a run cut short by a time limit keeps the others
             report.write_outputs(result, args.out)
             print(report.markdown(result), flush=True)

@@ -1,0 +1,158 @@
+"""Two (or N) students sharing one teacher forward against the same students in separate runs.
+
+Both sides train the same students (same models, losses, configs, learning rates) on the same batches for
+the same steps; the shared side is one :class:`MultiStudentDistiller`, the separate side one
+:class:`Distiller` per student, run one after another, as a user without the shared mode would. Each
+side is timed after ``warmup`` steps and reports student tokens/s (non-padding input tokens each student
+trained on, summed over students and ranks, per second), the teacher forwards it ran, and peak memory.
+
+GPU (2 GPUs; teacher and students as save_pretrained directories)::
+
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_student.py --teacher T --student small=S1 \\
+        --student big=S2 --dtype bf16 --micro-batch 8 --seq-len 1024 --warmup 3 --steps 10 --out runs/multi
+
+CPU smoke (what the test suite runs, through :func:`compare`): tiny GPT-2s, 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+from transformers import AutoConfig
+
+from distill_kit import Distiller, TrainingConfig, distributed
+from distill_kit.distiller import CONFIG_DIR, Batch
+from distill_kit.models import ModelSource
+from distill_kit.multi_student import MultiStudentDistiller
+from distill_kit.student_spec import StudentSpec
+
+Source = ModelSource | Callable[[], nn.Module]
+"""A path or hub name, or a factory of fresh modules: one built module cannot be wrapped by two engines."""
+
+
+def _build(source: Source) -> ModelSource:
+    return source() if callable(source) and not isinstance(source, nn.Module) else source
+
+
+def _timed(trainer: Distiller | MultiStudentDistiller, batches: list[Batch], warmup: int) -> dict[str, float]:
+    """Seconds of the steps after ``warmup``, the teacher forwards they ran, and this run's peak memory."""
+    teacher = getattr(trainer.teacher, "module", trainer.teacher)
+    forwards = [0]
+    hook = teacher.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    accelerator = get_accelerator()
+    trainer.train(batches, until=warmup)
+    accelerator.synchronize()
+    torch.distributed.barrier()
+    forwards[0] = 0
+    start = time.perf_counter()
+    trainer.train(batches)
+    accelerator.synchronize()
+    seconds = distributed.all_reduce_sum(torch.tensor(time.perf_counter() - start)).item() / distributed.world_size()
+    hook.remove()
+    peak = accelerator.max_memory_allocated() / 2**30 if accelerator.device_name() != "cpu" else 0.0
+    return {"seconds": seconds, "teacher_forwards": forwards[0], "peak_gib": peak}
+
+
+def _release() -> None:
+    gc.collect()
+    get_accelerator().empty_cache()
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().reset_peak_memory_stats()
+
+
+def compare(
+    teacher: Source,
+    students: Sequence[StudentSpec],
+    batches: list[Batch],
+    training: TrainingConfig,
+    *,
+    warmup: int = 1,
+    teacher_ds_config: Any = CONFIG_DIR / "zero3_teacher.json",
+    student_ds_config: Any = CONFIG_DIR / "zero2_student.json",
+) -> dict[str, Any]:
+    """Shared-teacher vs separate runs of ``students``; ``batches`` are this rank's micro-batches.
+
+    ``training.max_steps`` is the steps each side runs; the first ``warmup`` are not timed. A student's
+    ``model`` may be a factory (see :data:`Source`), called once per side.
+    """
+    timed_steps = training.max_steps - warmup
+    if timed_steps < 1:
+        raise ValueError(f"max_steps ({training.max_steps}) must exceed warmup ({warmup}) to time anything")
+    per_step = batches[:training.gradient_accumulation_steps * timed_steps]
+    local_tokens = sum(int(b["attention_mask"].sum()) for b in per_step)
+    tokens = distributed.all_reduce_sum(torch.tensor(float(local_tokens))).item() * len(students)
+
+    shared = MultiStudentDistiller(_build(teacher), [replace(spec, model=_build(spec.model)) for spec in students],
+                                   training=training, teacher_ds_config=teacher_ds_config,
+                                   student_ds_config=student_ds_config)
+    shared_run = _timed(shared, batches, warmup)
+    del shared
+    _release()
+    separate_runs = {}
+    for spec in students:
+        alone = Distiller(_build(spec.model), _build(teacher), loss=spec.loss, training=spec.training(training),
+                          student_ds_config=spec.ds_config or student_ds_config,
+                          student_ds_overrides=spec.ds_overrides, teacher_ds_config=teacher_ds_config)
+        separate_runs[spec.name] = _timed(alone, batches, warmup)
+        del alone
+        _release()
+    separate_seconds = sum(run["seconds"] for run in separate_runs.values())
+    return {
+        "students": [spec.name for spec in students],
+        "timed_steps": timed_steps,
+        "shared": shared_run | {"tokens_per_s": tokens / shared_run["seconds"]},
+        "separate": {
+            "seconds": separate_seconds,
+            "teacher_forwards": sum(run["teacher_forwards"] for run in separate_runs.values()),
+            "peak_gib": max(run["peak_gib"] for run in separate_runs.values()),
+            "tokens_per_s": tokens / separate_seconds,
+            "runs": separate_runs,
+        },
+        "speedup": separate_seconds / shared_run["seconds"],
+    }
+
+
+def _random_batches(count: int, micro_batch: int, length: int, vocab: int, seed: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (micro_batch, length), generator=generator) for _ in range(count)]
+    return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--teacher", required=True, help="save_pretrained directory or hub name")
+    parser.add_argument("--student", action="append", required=True, metavar="NAME=PATH",
+                        help="a student (repeat for several)")
+    parser.add_argument("--loss", default="forward_kl")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    distributed.init()
+    training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch,
+                              dtype=args.dtype, log_every=10**9)
+    students = [StudentSpec(name, path, args.loss) for name, _, path in (s.partition("=") for s in args.student)]
+    vocab = AutoConfig.from_pretrained(args.student[0].partition("=")[2]).vocab_size
+    batches = _random_batches(training.max_steps, args.micro_batch, args.seq_len, vocab, seed=distributed.rank())
+    result = compare(args.teacher, students, batches, training, warmup=args.warmup)
+    if distributed.is_main():
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "multi_student.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
