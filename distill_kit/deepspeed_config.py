@@ -14,6 +14,7 @@ import copy
 import difflib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,72 @@ def _check_agrees(config: dict[str, Any], training: TrainingConfig, world_size: 
     return problems
 
 
+@dataclass(frozen=True)
+class TrainedConfig:
+    """A trained model's DeepSpeed config as the user gave it, and what its ``"auto"`` values come from."""
+
+    source: str | Path | Mapping[str, Any]
+    training: TrainingConfig
+    """This model's settings; models trained together share the batch settings, so only lr may differ."""
+    hidden_size: int | None
+    overrides: Mapping[str, Any] | None = None
+
+
+def prepare_group(
+    trained: Mapping[str, TrainedConfig],
+    teacher: str | Path | Mapping[str, Any] | None,
+    *,
+    teacher_hidden_size: int | None,
+    world_size: int,
+    teacher_overrides: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """Every trained model's engine config, and the frozen teacher's (None without a teacher).
+
+    All configs are filled and checked together, and one error lists every problem of every config: a
+    run of several models should not fail on the second one's typo after the first has loaded. Keys of
+    ``trained`` name the models in the messages (``"student"`` gives "student DeepSpeed config: ...").
+    The teacher is never trained, but DeepSpeed still refuses an engine without
+    ``train_micro_batch_size_per_gpu``, so it inherits the run's; its batch keys must agree with the
+    run's, since every engine sees the same micro-batches.
+    """
+    configs: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for label, request in trained.items():
+        name = f"{label} DeepSpeed config"
+        config, found = resolve(load(request.source), request.training, hidden_size=request.hidden_size,
+                                world_size=world_size, name=name, overrides=request.overrides)
+        found += _check_agrees(config, request.training, world_size, name)
+        if "optimizer" not in config:
+            found.append(
+                f'{name}: no "optimizer" section; add e.g. '
+                '{"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}'
+            )
+        configs[label] = config
+        problems += found
+    teacher_cfg = None
+    if teacher is not None:
+        training = next(iter(trained.values())).training
+        name = "teacher DeepSpeed config"
+        teacher_cfg, found = resolve(load(teacher), training, hidden_size=teacher_hidden_size,
+                                     world_size=world_size, name=name, overrides=teacher_overrides)
+        teacher_cfg.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
+        teacher_cfg.pop("optimizer", None)  # a frozen engine needs none; DeepSpeed would build one
+        teacher_cfg.pop("scheduler", None)
+        problems += found + _check_agrees(teacher_cfg, training, world_size, name)
+        problems += [
+            f"{label} and teacher DeepSpeed configs disagree on precision (bf16, fp16): {label} "
+            f"{_precision(config)}, teacher {_precision(teacher_cfg)}; set both to \"auto\""
+            for label, config in configs.items() if _precision(config) != _precision(teacher_cfg)
+        ]
+    if problems:
+        raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+    return configs, teacher_cfg
+
+
+def _precision(config: Mapping[str, Any]) -> tuple[bool, bool]:
+    return config.get("bf16", {}).get("enabled", False), config.get("fp16", {}).get("enabled", False)
+
+
 def prepare_pair(
     student: str | Path | Mapping[str, Any],
     teacher: str | Path | Mapping[str, Any],
@@ -178,38 +245,9 @@ def prepare_pair(
     student_overrides: Mapping[str, Any] | None = None,
     teacher_overrides: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Both engine configs, filled and checked together; raises once with every problem found.
-
-    The teacher is never trained, but DeepSpeed still refuses an engine without
-    ``train_micro_batch_size_per_gpu``, so it inherits the student's; its batch keys must agree with the
-    run's, since both engines see the same micro-batches.
-    """
-    student_cfg, problems = resolve(
-        load(student), training, hidden_size=student_hidden_size, world_size=world_size,
-        name="student DeepSpeed config", overrides=student_overrides,
+    """The student's and the teacher's engine configs, filled and checked together (see :func:`prepare_group`)."""
+    students, teacher_cfg = prepare_group(
+        {"student": TrainedConfig(student, training, student_hidden_size, student_overrides)}, teacher,
+        teacher_hidden_size=teacher_hidden_size, world_size=world_size, teacher_overrides=teacher_overrides,
     )
-    teacher_cfg, teacher_problems = resolve(
-        load(teacher), training, hidden_size=teacher_hidden_size, world_size=world_size,
-        name="teacher DeepSpeed config", overrides=teacher_overrides,
-    )
-    problems += teacher_problems
-    teacher_cfg.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
-    teacher_cfg.pop("optimizer", None)  # a frozen engine needs none; DeepSpeed would build one
-    teacher_cfg.pop("scheduler", None)
-    for cfg, name in ((student_cfg, "student DeepSpeed config"), (teacher_cfg, "teacher DeepSpeed config")):
-        problems += _check_agrees(cfg, training, world_size, name)
-    if "optimizer" not in student_cfg:
-        problems.append(
-            'student DeepSpeed config: no "optimizer" section; add e.g. '
-            '{"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}'
-        )
-    precision = {name: (cfg.get("bf16", {}).get("enabled", False), cfg.get("fp16", {}).get("enabled", False))
-                 for name, cfg in (("student", student_cfg), ("teacher", teacher_cfg))}
-    if precision["student"] != precision["teacher"]:
-        problems.append(
-            f"student and teacher DeepSpeed configs disagree on precision (bf16, fp16): student "
-            f"{precision['student']}, teacher {precision['teacher']}; set both to \"auto\""
-        )
-    if problems:
-        raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
-    return student_cfg, teacher_cfg
+    return students["student"], teacher_cfg

@@ -51,7 +51,10 @@ class Distiller:
         teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
         teacher_ds_overrides: Mapping[str, Any] | None = None,
+        shared_teacher: nn.Module | None = None,
     ):
+        """``shared_teacher`` is a teacher engine already built from ``teacher`` and ``teacher_ds_config``
+        (several students share one, see ``multi_student.py``): nothing is loaded for it again."""
         self.training = training or TrainingConfig()
         self.device = distributed.init()
         transformers.set_seed(self.training.seed)
@@ -72,10 +75,12 @@ class Distiller:
         )
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         need_attentions = self.loss.needs_attentions
-        teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
+        teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
+                         if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         check_vocabularies(student_model, teacher_model)
-        self.teacher = engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
+        self.teacher = (engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
+                        if shared_teacher is None else shared_teacher)
         self.student = engines.build_student(student_model, self.loss, self.student_ds_config)
         self.step = 0
 
@@ -104,6 +109,10 @@ class Distiller:
     def training_step(self, batch: Batch) -> LossOutput:
         """One micro-batch: forwards, loss, backward; the engine steps the optimizer at the boundary."""
         teacher_out = self.teacher_forward(batch)
+        return self.student_step(batch, teacher_out)
+
+    def student_step(self, batch: Batch, teacher_out: Any) -> LossOutput:
+        """The student's half of a micro-batch, given the teacher's outputs (which several students may share)."""
         student_out = self.student_forward(batch)
         loss = self.compute_loss(student_out, teacher_out, batch)
         self.check_finite(loss)

@@ -13,6 +13,7 @@ from losses.divergences import (
     TotalVariation,
 )
 from losses.hidden import HiddenCosine, HiddenMSE, HiddenStateLoss
+from losses.mutual import MutualKL
 from losses.registry import LOSSES, build_loss, resolve
 from losses.supervised import CrossEntropy
 
@@ -29,6 +30,7 @@ __all__ = [
     "LogitLoss",
     "LogitMSE",
     "LossOutput",
+    "MutualKL",
     "ReverseKL",
     "SkewForwardKL",
     "SkewReverseKL",

@@ -69,6 +69,9 @@ class DistillationLoss(nn.Module):
 
     needs_hidden_states: bool = False
     needs_attentions: bool = False
+    needs_teacher: bool = True
+    """False when the teacher slot is never read as a teacher's outputs (cross-entropy on the labels; mutual
+    learning, which reads peers there): only such losses train models that have no teacher."""
 
     @property
     def name(self) -> str:

@@ -27,6 +27,7 @@ from losses.divergences import (
     TotalVariation,
 )
 from losses.hidden import HiddenCosine, HiddenMSE
+from losses.mutual import MutualKL
 from losses.supervised import CrossEntropy
 
 LOSSES: dict[str, type[DistillationLoss]] = {
@@ -41,6 +42,7 @@ LOSSES: dict[str, type[DistillationLoss]] = {
     "hidden_mse": HiddenMSE,
     "hidden_cosine": HiddenCosine,
     "attention_kl": AttentionKL,
+    "mutual_kl": MutualKL,
 }
 
 LossSpec = str | Mapping[str, Any] | DistillationLoss | Sequence[Mapping[str, Any]]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from losses import functional
-from losses.base import LogitLoss
+from losses.base import LogitLoss, LossOutput
 
 
 class CrossEntropy(LogitLoss):
@@ -18,8 +21,15 @@ class CrossEntropy(LogitLoss):
     Config: ``[{name: cross_entropy, weight: 0.5}, {name: forward_kl, weight: 0.5, temperature: 2.0}]``.
     """
 
+    needs_teacher = False
+
     def __init__(self, chunk_size: int = 4096):
         super().__init__(temperature=1.0, scale_by_t2=False, chunk_size=chunk_size)
+
+    def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
+        # The labels are the target, so the teacher slot is never read: the student's own logits stand in,
+        # and a model trained without a teacher (side by side, or a no-teacher baseline) can use this loss.
+        return super().forward(student, student, batch)
 
     def per_token(self, student_logits, teacher_logits, labels) -> torch.Tensor:
         return functional.cross_entropy(student_logits, labels)

@@ -19,6 +19,7 @@ LOGIT_LOSSES = [
     "total_variation",
     "logit_mse",
     "cross_entropy",
+    "mutual_kl",
 ]
 PARAMS = {"generalized_jsd": {"beta": 0.3}, "skew_forward_kl": {"alpha": 0.2}, "skew_reverse_kl": {"alpha": 0.2}}
 TEMPERATURE = 2.0
@@ -38,6 +39,7 @@ REFERENCES = {
     "total_variation": lambda p, q, zs, zt, y: 0.5 * (p - q).abs().sum(-1),
     "logit_mse": lambda p, q, zs, zt, y: ((zs - zt) / TEMPERATURE).pow(2).mean(-1),
     "cross_entropy": lambda p, q, zs, zt, y: -q[y].log(),
+    "mutual_kl": lambda p, q, zs, zt, y: _kl(p, q),  # one teacher is one peer
 }
 
 

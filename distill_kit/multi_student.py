@@ -1,0 +1,153 @@
+"""Several students of one frozen teacher: one teacher forward per micro-batch feeds every student.
+
+A teacher is usually the expensive model, so distilling N students (different sizes, losses or learning
+rates) in one run pays for its forward once per micro-batch instead of N times, and holds its ZeRO-3
+shards once. Each student is an ordinary :class:`~distill_kit.distiller.Distiller` around the shared
+teacher engine, with its own DeepSpeed engine, config, optimizer, scheduler, loss, checkpoints and
+export; so its hooks (``student_forward``, ``compute_loss``, ``student_step``) are the single-student ones::
+
+    teacher_out = self.teacher_forward(batch)                  # once, ZeRO-3 shards
+    for student in self.students.values():
+        student.student_step(batch, teacher_out)               # forward, loss, backward, step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from distill_kit import deepspeed_config, distributed, engines, evaluation, export, group_loop, models
+from distill_kit.config import TrainingConfig
+from distill_kit.deepspeed_config import TrainedConfig
+from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
+from distill_kit.models import ModelSource
+from distill_kit.student_spec import StudentSpec, student_specs
+from losses import DistillationLoss, LossOutput, build_loss
+
+
+class MultiStudentDistiller:
+    """N students of one teacher, trained together on the same micro-batches.
+
+    ``students`` are :class:`StudentSpec`s or plain dicts with the same keys (a run config's
+    ``students: [...]``). A student without its own ``ds_config`` takes ``student_ds_config``;
+    ``student_ds_overrides`` apply to every student, under each one's own ``ds_overrides``.
+    """
+
+    def __init__(
+        self,
+        teacher: ModelSource,
+        students: Sequence[StudentSpec | Mapping[str, Any]],
+        *,
+        training: TrainingConfig | None = None,
+        teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
+        teacher_ds_overrides: Mapping[str, Any] | None = None,
+        student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
+        student_ds_overrides: Mapping[str, Any] | None = None,
+    ):
+        self.training = training or TrainingConfig()
+        self.device = distributed.init()
+        transformers.set_seed(self.training.seed)
+        specs = student_specs(students)
+        teacher_facts = models.facts(teacher)
+        student_facts = {spec.name: models.facts(spec.model) for spec in specs}
+        requests = {spec.name: dict(
+            student_ds_config=spec.ds_config or student_ds_config,
+            student_ds_overrides={**(student_ds_overrides or {}), **spec.ds_overrides},
+            training=spec.training(self.training),
+        ) for spec in specs}
+        # Every student's config and the teacher's are checked together before anything loads.
+        _, self.teacher_ds_config = deepspeed_config.prepare_group(
+            {f"student {name!r}": TrainedConfig(r["student_ds_config"], r["training"],
+                                                student_facts[name]["hidden_size"], r["student_ds_overrides"])
+             for name, r in requests.items()},
+            teacher_ds_config, teacher_hidden_size=teacher_facts["hidden_size"], world_size=distributed.world_size(),
+            teacher_overrides=teacher_ds_overrides,
+        )
+        losses: dict[str, DistillationLoss] = {spec.name: build_loss(
+            spec.loss, **{f"student_{k}": v for k, v in student_facts[spec.name].items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+        ) for spec in specs}
+        # The teacher loads first and once: it must never exist unsharded next to the students.
+        need_attentions = any(loss.needs_attentions for loss in losses.values())
+        teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
+        self.teacher = engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
+        self.students: dict[str, Distiller] = {
+            spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,
+                                 teacher_ds_overrides=teacher_ds_overrides, shared_teacher=self.teacher,
+                                 **requests[spec.name])
+            for spec in specs
+        }
+
+    # ---- the step --------------------------------------------------------------------------------------
+
+    def teacher_forward(self, batch: Batch) -> Any:
+        """The teacher once, with hidden states or attention maps when any student's loss needs them."""
+        requests = [student.model_inputs(batch) for student in self.students.values()]
+        inputs = requests[0] | {flag: any(r[flag] for r in requests)
+                                for flag in ("output_hidden_states", "output_attentions")}
+        with torch.no_grad():
+            return self.teacher(**inputs)
+
+    def training_step(self, batch: Batch) -> dict[str, LossOutput]:
+        """One micro-batch: the teacher's forward, then every student's half of the single-student step.
+
+        A non-finite loss stops the run on every rank, naming the students; the student step has already
+        made DeepSpeed discard that student's update (``Distiller.student_step``), so no weight is touched.
+        """
+        teacher_out = self.teacher_forward(batch)
+        losses = {name: student.student_step(batch, teacher_out) for name, student in self.students.items()}
+        group_loop.check_finite(losses, self.step, self.device)
+        return losses
+
+    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
+        """Train every student to step ``until`` (default ``training.max_steps``); one record per step."""
+        return group_loop.train_group(self, batches, until)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken; every student has taken the same."""
+        return next(iter(self.students.values())).step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        for student in self.students.values():
+            student.step = value
+
+    def engines(self) -> dict[str, Any]:
+        return {name: student.student for name, student in self.students.items()}
+
+    # ---- evaluation, checkpoints, export -------------------------------------------------------------
+
+    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
+        """``{"teacher": {...}, <name>: {...}}``: perplexities, top-1 agreement and KL; one teacher pass per batch."""
+        for engine in self.engines().values():
+            engine.eval()
+        try:
+            return evaluation.evaluate_students({name: s.student_forward for name, s in self.students.items()},
+                                                self.teacher_forward, batches, self.device, max_batches)
+        finally:
+            for engine in self.engines().values():
+                engine.train()
+
+    def save(self, directory: str | Path) -> None:
+        """Each student's own resumable DeepSpeed checkpoint, in ``<directory>/<name>``."""
+        for name, student in self.students.items():
+            student.save(Path(directory) / name)
+
+    def load(self, directory: str | Path) -> None:
+        """Each student from ``<directory>/<name>``; they must all be at the same step to train on together."""
+        for name, student in self.students.items():
+            student.load(Path(directory) / name)
+        steps = {name: student.step for name, student in self.students.items()}
+        if len(set(steps.values())) > 1:
+            raise ValueError(f"the students' checkpoints in {str(directory)!r} are at different steps {steps}; "
+                             "save them together (MultiStudentDistiller.save) to resume them together")
+
+    def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
+        """Each bare student as a Hugging Face model directory, ``<directory>/<name>``."""
+        return {name: export.export_student(student.student_model, Path(directory) / name, tokenizer)
+                for name, student in self.students.items()}

@@ -1,0 +1,154 @@
+"""Independent models side by side: N models, no teacher, one loop over the same micro-batches.
+
+The seed document's second case (Accelerate's "several different models at once"): each model has its
+own DeepSpeed engine, config, optimizer and scheduler, and they share only the data. Each model's loss
+gets, in the teacher slot, the *other* models' detached outputs: a loss that ignores the slot
+(``cross_entropy``) trains each model exactly as it would train alone, and ``mutual_kl`` makes them teach
+each other (deep mutual learning, ``losses/mutual.py``)::
+
+    outputs = {name: self.forward(name, batch) for name in self.models}      # every model first
+    losses = {name: self.compute_loss(name, out, self.peers(outputs, name), batch) ...}
+    for name, loss in losses.items(): engine.backward(loss.total); engine.step()
+
+All forwards come before any loss, so a mutual loss reads every peer at the same weights (the
+simultaneous-update form of mutual learning); the cost is N models' activations alive at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from distill_kit import deepspeed_config, distributed, engines, export, group_loop
+from distill_kit import models as loading
+from distill_kit.config import TrainingConfig
+from distill_kit.deepspeed_config import TrainedConfig
+from distill_kit.distiller import CONFIG_DIR, Batch
+from distill_kit.student_spec import StudentSpec, student_specs
+from losses import DistillationLoss, LossOutput, build_loss
+
+
+class SideBySide:
+    """N models trained together without a teacher, each its own engine; ``models`` as in
+    :class:`~distill_kit.multi_student.MultiStudentDistiller`'s ``students``."""
+
+    def __init__(
+        self,
+        models: Sequence[StudentSpec | Mapping[str, Any]],
+        *,
+        training: TrainingConfig | None = None,
+        ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
+        ds_overrides: Mapping[str, Any] | None = None,
+    ):
+        self.training = training or TrainingConfig()
+        self.device = distributed.init()
+        transformers.set_seed(self.training.seed)
+        specs = student_specs(models)
+        facts = {spec.name: loading.facts(spec.model) for spec in specs}
+        configs, _ = deepspeed_config.prepare_group(
+            {spec.name: TrainedConfig(spec.ds_config or ds_config, spec.training(self.training),
+                                      facts[spec.name]["hidden_size"], {**(ds_overrides or {}), **spec.ds_overrides})
+             for spec in specs},
+            None, teacher_hidden_size=None, world_size=distributed.world_size(),
+        )
+        self.ds_configs: dict[str, dict[str, Any]] = configs
+        self.losses: dict[str, DistillationLoss] = {
+            spec.name: build_loss(spec.loss, **{f"student_{k}": v for k, v in facts[spec.name].items()})
+            for spec in specs
+        }
+        needing_teacher = {name: type(loss).__name__ for name, loss in self.losses.items() if loss.needs_teacher}
+        if needing_teacher:
+            raise ValueError(
+                f"losses {needing_teacher} read a teacher's outputs, and models side by side have no teacher: use "
+                "cross_entropy, mutual_kl, or a weighted sum of them (or MultiStudentDistiller, with a teacher)"
+            )
+        self.models: dict[str, Any] = {}
+        for spec in specs:
+            loss, config = self.losses[spec.name], configs[spec.name]
+            model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
+            self.models[spec.name] = engines.build_student(model, loss, config)
+        self.step = 0
+
+    # ---- the hooks -------------------------------------------------------------------------------------
+
+    def model_inputs(self, name: str, batch: Batch) -> dict[str, Any]:
+        """What model ``name`` is called with: no labels, and only the outputs its loss asks for."""
+        return {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch.get("attention_mask"),
+            "output_hidden_states": self.losses[name].needs_hidden_states,
+            "output_attentions": self.losses[name].needs_attentions,
+        }
+
+    def forward(self, name: str, batch: Batch) -> Any:
+        return self.models[name](**self.model_inputs(name, batch))
+
+    @staticmethod
+    def peers(outputs: Mapping[str, Any], name: str) -> tuple[Any, ...]:
+        """Every other model's outputs, detached: a loss may learn from them but never train them."""
+        return tuple(_detached(out) for other, out in outputs.items() if other != name)
+
+    def compute_loss(self, name: str, output: Any, peers: tuple[Any, ...], batch: Batch) -> LossOutput:
+        return self.losses[name](output, peers, batch)
+
+    def training_step(self, batch: Batch) -> dict[str, LossOutput]:
+        """One micro-batch for every model: all forwards, all losses, then each model's backward and step."""
+        outputs = {name: self.forward(name, batch) for name in self.models}
+        losses = {name: self.compute_loss(name, out, self.peers(outputs, name), batch) for name, out in outputs.items()}
+        group_loop.check_finite(losses, self.step, self.device)
+        for name, loss in losses.items():
+            self.models[name].backward(loss.total)
+            self.models[name].step()
+        return losses
+
+    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
+        """Train every model to step ``until`` (default ``training.max_steps``); one record per step."""
+        return group_loop.train_group(self, batches, until)
+
+    def engines(self) -> dict[str, Any]:
+        return self.models
+
+    # ---- checkpoints and export ----------------------------------------------------------------------
+
+    def module(self, name: str) -> nn.Module:
+        """The bare model ``name`` (no engine, no loss parameters), e.g. for export."""
+        return self.models[name].module.student
+
+    def save(self, directory: str | Path) -> None:
+        """Each model's own resumable DeepSpeed checkpoint, in ``<directory>/<name>``."""
+        for name, engine in self.models.items():
+            engine.save_checkpoint(str(Path(directory) / name), client_state={"step": self.step})
+
+    def load(self, directory: str | Path) -> None:
+        """Each model from ``<directory>/<name>``, all at the step they were saved at together."""
+        steps = {}
+        for name, engine in self.models.items():
+            _, client_state = engine.load_checkpoint(str(Path(directory) / name))
+            if client_state is None:
+                raise FileNotFoundError(f"no DeepSpeed checkpoint of model {name!r} in {str(Path(directory) / name)!r}")
+            steps[name] = client_state["step"]
+        if len(set(steps.values())) > 1:
+            raise ValueError(f"the models' checkpoints in {str(directory)!r} are at different steps {steps}; "
+                             "save them together (SideBySide.save) to resume them together")
+        self.step = next(iter(steps.values()))
+
+    def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
+        """Each bare model as a Hugging Face model directory, ``<directory>/<name>``."""
+        return {name: export.export_student(self.module(name), Path(directory) / name, tokenizer)
+                for name in self.models}
+
+
+def _detached(output: Any) -> Any:
+    """A model output (a ``ModelOutput`` dict of tensors and tuples of tensors) cut from autograd."""
+    def cut(value: Any) -> Any:
+        if torch.is_tensor(value):
+            return value.detach()
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+    return type(output)(**{key: cut(value) for key, value in output.items()})

@@ -1,0 +1,171 @@
+"""Several models at once on real ranks; launched by tests/test_multi_student.py.
+
+One launch runs every scenario (each launch pays DeepSpeed's start-up). Each writes
+``<out>/<name>.rank<r>.json``; the pytest side asserts on those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import deepspeed
+import torch
+from transformers import GPT2LMHeadModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_multi_student import compare  # noqa: E402
+from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
+
+from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
+from distill_kit.multi_student import MultiStudentDistiller  # noqa: E402
+from distill_kit.side_by_side import SideBySide  # noqa: E402
+from distill_kit.student_spec import StudentSpec  # noqa: E402
+
+STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
+TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
+                          lr=3e-3, weight_decay=0.01, max_grad_norm=0.5, warmup_steps=2, log_every=100)
+MIXED = [{"name": "cross_entropy", "weight": 0.5}, {"name": "reverse_kl", "weight": 0.5, "temperature": 2.0}]
+
+
+def gathered(module: torch.nn.Module) -> list[torch.Tensor]:
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone().float() for p in params]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def count_forwards(module: torch.nn.Module) -> list[int]:
+    """A counter of ``module``'s forward calls (a DeepSpeed engine's forward calls its module's)."""
+    calls = [0]
+    getattr(module, "module", module).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def write(out: Path, name: str, result: dict) -> None:
+    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
+
+
+def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
+    """Two students (sizes, losses, lrs differ) of one teacher vs two single-student Distillers; then the
+    shared run's checkpoints resume separately, its export loads, its evaluation runs the teacher once."""
+    data = random_batches(STEPS * GAS, MBS, LENGTH, seed=10 + distributed.rank())
+    specs = [StudentSpec("small", students["small"]),
+             {"name": "big", "model": students["big"], "loss": MIXED, "lr": 2e-3}]
+    multi = MultiStudentDistiller(teacher, specs, training=TRAINING)
+    teacher_calls = count_forwards(multi.teacher)
+    history = multi.train(data, until=STEPS - 1)
+    multi.save(out / "ckpt")
+    history += multi.train(data[(STEPS - 1) * GAS:])
+    train_calls = teacher_calls[0]
+    final = {name: gathered(s.student_model) for name, s in multi.students.items()}
+
+    eval_batches = random_batches(3, MBS, LENGTH, seed=50 + distributed.rank())
+    report = multi.evaluate(eval_batches)
+    eval_calls = teacher_calls[0] - train_calls
+    exported = multi.export(out / "export")
+
+    resumed = MultiStudentDistiller(teacher, specs, training=TRAINING)
+    resumed.load(out / "ckpt")
+    resumed_step = resumed.step
+    resumed.train(data[(STEPS - 1) * GAS:])
+    big_alone_loaded = Distiller(students["big"], teacher, loss=MIXED, training=replace(TRAINING, lr=2e-3))
+    big_alone_loaded.load(out / "ckpt/big")
+
+    separate, separate_calls, lrs = {}, 0, {}
+    for name, loss, lr in (("small", "forward_kl", TRAINING.lr), ("big", MIXED, 2e-3)):
+        alone = Distiller(students[name], teacher, loss=loss, training=replace(TRAINING, lr=lr))
+        calls = count_forwards(alone.teacher)
+        alone_history = alone.train(data)
+        separate[name] = gathered(alone.student_model)
+        separate_calls += calls[0]
+        lrs[name] = (multi.students[name].student_ds_config["optimizer"]["params"]["lr"],
+                     alone_history[-1]["loss"], history[-1][f"{name}/loss"])
+    initial = {name: gathered(GPT2LMHeadModel.from_pretrained(path)) for name, path in students.items()}
+    write(out, "shared_teacher", {
+        "max_param_diff": {n: max_diff(final[n], separate[n]) for n in final},
+        "max_param_change": {n: max_diff(final[n], initial[n]) for n in final},
+        "teacher_forwards": train_calls, "separate_teacher_forwards": separate_calls, "micro_batches": len(data),
+        "eval_teacher_forwards": eval_calls, "eval_batches": len(eval_batches), "eval_keys": sorted(report),
+        "lr_and_last_losses": lrs,
+        "history_keys": sorted(history[0]),
+        "resumed_step": resumed_step,
+        "resumed_diff": {n: max_diff(final[n], gathered(s.student_model)) for n, s in resumed.students.items()},
+        "checkpoint_dirs": sorted(p.name for p in (out / "ckpt").iterdir()),
+        "alone_loads_its_checkpoint": big_alone_loaded.step,
+        "export_diff": {n: max_diff(final[n], gathered(GPT2LMHeadModel.from_pretrained(exported[n])))
+                        for n in final},
+    })
+
+
+def side_by_side(out: Path, students: dict[str, Path]) -> None:
+    """Two models without a teacher vs each trained alone; mutual learning; per-model checkpoints."""
+    data = random_batches(STEPS * GAS, MBS, LENGTH, seed=20 + distributed.rank())
+    specs = [StudentSpec("small", students["small"], "cross_entropy"),
+             StudentSpec("big", students["big"], "cross_entropy", lr=2e-3)]
+    together = SideBySide(specs, training=TRAINING)
+    history = together.train(data)
+    params = {name: gathered(together.module(name)) for name in together.models}
+    together.save(out / "sbs_ckpt")
+    alone = {}
+    for spec in specs:
+        single = SideBySide([spec], training=TRAINING)
+        single.train(data)
+        alone[spec.name] = gathered(single.module(spec.name))
+    reloaded = SideBySide(specs, training=TRAINING)
+    reloaded.load(out / "sbs_ckpt")
+
+    mutual_loss = [{"name": "cross_entropy", "weight": 1.0}, {"name": "mutual_kl", "weight": 1.0}]
+    mutual = SideBySide([StudentSpec(s.name, s.model, mutual_loss, lr=s.lr) for s in specs], training=TRAINING)
+    mutual_history = mutual.train(data)
+    mutual_params = {name: gathered(mutual.module(name)) for name in mutual.models}
+    try:
+        SideBySide([StudentSpec("kl", students["small"], "forward_kl")], training=TRAINING)
+        refusal = ""
+    except ValueError as err:
+        refusal = str(err)
+    initial = {name: gathered(GPT2LMHeadModel.from_pretrained(path)) for name, path in students.items()}
+    write(out, "side_by_side", {
+        "max_param_diff": {n: max_diff(params[n], alone[n]) for n in params},
+        "max_param_change": {n: max_diff(params[n], initial[n]) for n in params},
+        "first_loss": history[0]["small/loss"], "last_loss": history[-1]["small/loss"],
+        "reloaded_step": reloaded.step,
+        "reloaded_diff": {n: max_diff(params[n], gathered(reloaded.module(n))) for n in params},
+        "checkpoint_dirs": sorted(p.name for p in (out / "sbs_ckpt").iterdir()),
+        "mutual_parts": sorted(mutual_history[0]),
+        "mutual_kl": [h["small/mutual_kl"] for h in mutual_history],
+        "mutual_vs_alone": {n: max_diff(mutual_params[n], alone[n]) for n in params},
+        "refusal": refusal,
+    })
+
+
+def bench_smoke(out: Path, teacher: Path, students: dict[str, Path]) -> None:
+    """The benchmark helper end to end on tiny models (numbers only, nothing about speed)."""
+    training = TrainingConfig(max_steps=2, micro_batch_size=MBS, log_every=100)
+    specs = [StudentSpec(name, path) for name, path in students.items()]
+    write(out, "bench_smoke", compare(teacher, specs, random_batches(2, MBS, LENGTH, seed=30), training, warmup=1))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    distributed.init()
+    if distributed.is_main():
+        save_pair(out / "models")
+        torch.manual_seed(99)
+        GPT2LMHeadModel(gpt2_config(width=48, layers=2)).save_pretrained(out / "models/student_big")
+    torch.distributed.barrier()
+    teacher = out / "models/teacher"
+    students = {"small": out / "models/student", "big": out / "models/student_big"}
+    shared_teacher(out, teacher, students)
+    side_by_side(out, students)
+    bench_smoke(out, teacher, students)
+
+
+if __name__ == "__main__":
+    main()
