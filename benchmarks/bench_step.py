@@ -175,9 +175,10 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     history = distiller.train(batches)
+    distiller.clock.finish()
     if cuda:
         torch.cuda.synchronize(device)
-    summary = distiller.clock.summary(time.perf_counter(), skip=args.warmup)
+    summary = distiller.clock.summary(skip=args.warmup)
     tokens = run.micro_batch * args.seq_len * training.gradient_accumulation_steps
     tokens_per_s = tokens / (summary["step_ms"] / 1e3)
     peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None

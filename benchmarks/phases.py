@@ -3,12 +3,12 @@
 :class:`TimedDistiller` is the real :class:`~distill_kit.Distiller`; its hooks (teacher forward, student
 forward, loss) and the student engine's ``backward`` and ``step`` only drop a CUDA event on the compute
 stream as they finish. Events are read once, after the last step, so the timed steps run exactly as in
-training: the only host waits are the ones the Distiller itself has (the finite-loss check and the
-per-step log). On the CPU every op is synchronous and host clocks stand in for events.
+training: the only host waits are the ones the Distiller itself has. On the CPU every op is synchronous
+and host clocks stand in for events.
 
-Step wall time is taken on the host between step starts: each step ends with the Distiller's log
-``.item()``, which waits for the device, so consecutive starts bracket one whole step, loop overhead
-included, as a training run sees it.
+A step's time runs from its start event to the next step's (the last one's to :meth:`StepClock.finish`),
+so it includes the loop's own work between steps and any time the device waits for the host, as a
+training run sees it.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch
 from distill_kit import Distiller
 
 # Boundaries in step order; each phase runs from the previous boundary to its own.
-# "finite_check" is the Distiller's all-rank NaN check (one all-reduce and one host wait per micro-batch).
-PHASES = ("teacher_forward", "student_forward", "loss", "finite_check", "backward", "optimizer_step")
+PHASES = ("teacher_forward", "student_forward", "loss", "backward", "optimizer_step")
 
 
 class StepClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.steps: list[dict[str, Any]] = []  # per step: host start time and one stamp per boundary
+        self.steps: list[dict[str, Any]] = []  # per step: one stamp at its start and one per boundary
+        self.end: Any = None
 
     def _stamp(self) -> Any:
         if not self.cuda:
@@ -40,29 +40,33 @@ class StepClock:
         event.record()
         return event
 
+    def _elapsed_ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
     def start_step(self) -> None:
-        self.steps.append({"host_start": time.perf_counter(), "start": self._stamp()})
+        self.steps.append({"start": self._stamp()})
 
     def mark(self, boundary: str) -> None:
         self.steps[-1][boundary] = self._stamp()
 
-    def _elapsed_ms(self, a: Any, b: Any) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+    def finish(self) -> None:
+        """Stamp the end of the last step; call right after training returns."""
+        self.end = self._stamp()
 
-    def summary(self, host_end: float, skip: int) -> dict[str, Any]:
-        """Medians over the steps after the first ``skip`` (warm-up); call after the device is idle."""
-        starts = [s["host_start"] for s in self.steps] + [host_end]
-        wall_ms = [(b - a) * 1e3 for a, b in zip(starts, starts[1:], strict=False)][skip:]
-        phase_ms: dict[str, list[float]] = {name: [] for name in PHASES}
+    def summary(self, skip: int) -> dict[str, Any]:
+        """Medians over the steps after the first ``skip`` (warm-up); call once the device is idle."""
+        starts = [step["start"] for step in self.steps] + [self.end]
+        step_ms = [self._elapsed_ms(a, b) for a, b in zip(starts, starts[1:], strict=False)][skip:]
+        phase_ms = {name: [] for name in PHASES}
         for step in self.steps[skip:]:
             previous = step["start"]
             for name in PHASES:
                 phase_ms[name].append(self._elapsed_ms(previous, step[name]))
                 previous = step[name]
         medians = {name: statistics.median(values) for name, values in phase_ms.items()}
-        step_ms = statistics.median(wall_ms)
-        medians["other"] = max(0.0, step_ms - sum(medians.values()))
-        return {"step_ms": step_ms, "step_ms_all": wall_ms, "phase_ms": medians}
+        median_step = statistics.median(step_ms)
+        medians["other"] = max(0.0, median_step - sum(medians.values()))
+        return {"step_ms": median_step, "step_ms_all": step_ms, "phase_ms": medians}
 
 
 class TimedDistiller(Distiller):
@@ -98,7 +102,3 @@ class TimedDistiller(Distiller):
         out = super().compute_loss(student_out, teacher_out, batch)
         self.clock.mark("loss")
         return out
-
-    def check_finite(self, loss):
-        super().check_finite(loss)
-        self.clock.mark("finite_check")

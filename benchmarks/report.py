@@ -18,7 +18,7 @@ SHARES = {  # column -> phases summed into it
     "student fwd+loss": ("student_forward", "loss"),
     "backward": ("backward",),
     "optimizer": ("optimizer_step",),
-    "other": ("finite_check", "other"),
+    "other": ("other",),
 }
 
 
