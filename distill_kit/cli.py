@@ -11,15 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit import data, distributed, report, run_config
 from distill_kit.corpus import write_corpus
-from distill_kit.distiller import Distiller
-from distill_kit.export import export_student
 from distill_kit.models import check_tokenizers
+from distill_kit.multi_student import MultiStudentDistiller
 from distill_kit.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.student_spec import StudentSpec
 
 logger = logging.getLogger("distill_kit")
 
@@ -49,50 +50,39 @@ def prepare_data(config: RunConfig) -> data.DataConfig:
     return dataclasses.replace(config.data, train=str(splits.train), heldout=str(splits.heldout))
 
 
-def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The student's model directory: the given one (its tokenizer checked), or a fresh one built from
-    the teacher's config with ``init`` overrides and saved, so that it loads like any pretrained model."""
+def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
+    """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
+    fresh one built from the teacher's config with ``init`` overrides and saved, so that it loads like any
+    pretrained model: under its own ZeRO layout, and identically for every run that shares the seed."""
+    spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
+            "ds_overrides": student.ds_overrides}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
-        return student.model
-    path = Path(config.output_dir) / student.name / "init"
-
-    def build() -> None:
-        model_config = AutoConfig.from_pretrained(config.teacher)
-        unknown = [key for key in student.init if not hasattr(model_config, key)]
-        if unknown:
-            raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
-                              f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
-        model_config.update(dict(student.init))
-        AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
-
+        return StudentSpec(model=student.model, **spec)
+    model_config = AutoConfig.from_pretrained(config.teacher)
+    unknown = [key for key in student.init if not hasattr(model_config, key)]
+    if unknown:
+        raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
+                          f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
+    path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main():
-        build()
+        model_config.update(dict(student.init))
+        torch.manual_seed(config.training.seed)
+        AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
     _barrier()
-    return str(path)
+    return StudentSpec(model=str(path), **spec)
 
 
-def train_students(config: RunConfig, sources: dict[str, str], train_loader, eval_loader) -> dict[str, Any]:
-    """Each student distilled on the same batches; held-out evaluation every ``eval.every`` steps."""
-    histories: dict[str, list] = {}
-    evaluations: dict[int, dict] = {}
-    distillers = {}
+def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader) -> dict[str, Any]:
+    """Train every student on the same batches, one teacher pass per batch; evaluate every ``eval.every``."""
     every = config.eval.every or config.training.max_steps
-    for student in config.students:
-        distiller = Distiller(sources[student.name], config.teacher, loss=student.loss, training=config.training,
-                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
-                              student_ds_overrides=config.student_ds_overrides,
-                              teacher_ds_overrides=config.teacher_ds_overrides)
-        train_loader.load_state_dict({"epoch": 0, "index": 0})  # every student sees the same tokens
-        histories[student.name] = []
-        for until in range(every, config.training.max_steps + every, every):
-            histories[student.name] += distiller.train(train_loader, until=until)
-            metrics = distiller.evaluate(eval_loader, config.eval.max_batches)
-            evaluations.setdefault(distiller.step, {"teacher": metrics["teacher"]})[student.name] = metrics["student"]
-        distillers[student.name] = distiller
-    return {"distillers": distillers, "histories": histories,
-            "evaluations": [{"step": step, "metrics": m} for step, m in sorted(evaluations.items())]}
+    records, evaluations = [], []
+    for until in range(every, config.training.max_steps + every, every):
+        records += students.train(train_loader, until=until)
+        evaluations.append({"step": students.step, "metrics": students.evaluate(eval_loader, config.eval.max_batches)})
+    histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in records] for s in config.students}
+    return {"histories": histories, "evaluations": evaluations, "records": records}
 
 
 def run(config: RunConfig) -> dict[str, Any]:
@@ -105,15 +95,19 @@ def run(config: RunConfig) -> dict[str, Any]:
             raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-    sources = {s.name: prepare_student(s, config, tokenizer) for s in config.students}
+    specs = [prepare_student(s, config, tokenizer) for s in config.students]
     splits = _on_main_first(lambda: data.build_splits(data_config, tokenizer))
     rank, world = distributed.rank(), distributed.world_size()
     mbs = config.training.micro_batch_size
     train_loader = data.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
     eval_loader = data.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
-    trained = train_students(config, sources, train_loader, eval_loader)
-    for name, distiller in trained["distillers"].items():
-        export_student(distiller.student_model, out / name / "final", tokenizer)
+    students = MultiStudentDistiller(
+        config.teacher, specs, training=config.training,
+        teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
+        student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+    )
+    trained = train_students(config, students, train_loader, eval_loader)
+    students.export(out / "students", tokenizer)
     summary: list[Any] = [None]
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
@@ -122,7 +116,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         summary = [report.write(out, run_config.to_dict(config), losses, trained["histories"],
                                 trained["evaluations"], extra)]
         print(report.table(summary[0]))
-        print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out}/<name>/final")
+        print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     if world > 1:
         dist.broadcast_object_list(summary, src=0)
     return summary[0]

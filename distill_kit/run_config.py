@@ -39,16 +39,22 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class StudentConfig:
-    """One student: where it comes from and what it learns from."""
+    """One student: where it comes from, what it learns from, and its own optimizer settings."""
 
     name: str = "distilled"
-    """A label for logs, the report and the output folder (``<output_dir>/<name>``)."""
+    """A label for logs, the report and the output folders."""
     model: str | None = None
     """A save_pretrained directory or hub name; None builds a fresh model from ``init`` (random weights)."""
     init: dict[str, Any] = field(default_factory=dict)
     """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
     loss: Any = "forward_kl"
     """A loss name, {name: ..., params}, a list of {name, weight} for a weighted sum, or 'pkg.mod:Class'."""
+    lr: float | None = None
+    """This student's learning rate; None takes training.lr."""
+    ds_config: str | None = None
+    """This student's DeepSpeed config; None takes student_ds_config."""
+    ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys for this student only, over student_ds_overrides."""
 
 
 @dataclass(frozen=True)

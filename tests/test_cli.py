@@ -87,7 +87,8 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
     assert (out / "loss_curves.png").stat().st_size > 0
     for name in students:
         # The exported student reloads and reproduces the perplexity measured on the model in training.
-        assert _heldout_perplexity(out / name / "final", tiny) == pytest.approx(students[name]["perplexity"], rel=1e-4)
+        exported = _heldout_perplexity(out / "students" / name, tiny)
+        assert exported == pytest.approx(students[name]["perplexity"], rel=1e-4)
 
 
 def test_help_lists_every_field():
