@@ -55,6 +55,8 @@ def build_teacher(
     """
     model.requires_grad_(False)
     model.eval()
+    if not any(True for _ in model.parameters()):
+        return model  # no weights to shard or place: a captured teacher (distill_kit/captured_teacher.py)
     if zero_stage(ds_config) == 3:
         engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config))
         engine.eval()

@@ -1,0 +1,203 @@
+"""Run the (ZeRO-3 sharded) teacher over a dataset once and write its top-k outputs to a store.
+
+Every rank runs the teacher on its own micro-batches (``data.BlockLoader``: the same number on every rank,
+as the ZeRO-3 forward's collectives need) and writes its own parts; nothing is gathered. A part covers
+``batches_per_part`` micro-batches and is written whole or not at all, so a capture that stops resumes
+at the last part every rank finished, and a part written twice is written with the same content.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from distill_kit import distributed, engines, models
+from distill_kit.config import TrainingConfig
+from distill_kit.data import BlockLoader
+from distill_kit.deepspeed_config import DeepSpeedConfigError, load, resolve
+from distill_kit.fingerprints import dataset_fingerprint, teacher_fingerprint, tokenizer_fingerprint
+from distill_kit.models import ModelSource
+from distill_kit.teacher_store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
+
+logger = logging.getLogger(__name__)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to keep per token, and how the capture is cut into work."""
+
+    k: int = 64
+    """Most likely next tokens kept per position; 64 holds nearly all of an LLM's mass at temperature 1."""
+    values_dtype: str = "fp16"
+    """Of the log-probabilities: fp16 is 8x more precise than bf16 over their range, at the same size."""
+    hidden_layers: tuple[int, ...] = ()
+    """Hidden states to keep (0 = embeddings, L = last); each costs 2 x hidden_size bytes a token."""
+    hidden_dtype: str = "bf16"
+    """Of the hidden states: bf16, whose range holds large activations that overflow fp16."""
+    micro_batch_size: int = 8
+    batches_per_part: int = 64
+    """Micro-batches per part file: the unit a stopped capture loses, and one file's size."""
+    dtype: str = "bf16"
+    """The teacher's compute precision."""
+    chunk_tokens: int = 2048
+    """Rows of logits turned into float32 log-probabilities at a time: bounds memory at large vocabularies."""
+
+    def __post_init__(self) -> None:
+        for name in ("k", "micro_batch_size", "batches_per_part", "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"capture {name} must be >= 1, got {getattr(self, name)}")
+
+
+def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits`` (n, V) -> top-k log-probabilities (n, k) float32, ids (n, k), log of the rest (n,).
+
+    The tail is a logsumexp over the other tokens' log-probabilities, not ``log(1 - sum)``: a tail below
+    float32's resolution of 1 stays exact. With k = V it is log 0 = -inf.
+    """
+    values, ids, tails = [], [], []
+    for chunk in logits.split(chunk_tokens):
+        log_p = F.log_softmax(chunk.float(), dim=-1)
+        top_values, top_ids = log_p.topk(k, dim=-1)
+        tails.append(log_p.scatter_(-1, top_ids, float("-inf")).logsumexp(-1))
+        values.append(top_values)
+        ids.append(top_ids)
+    return torch.cat(values), torch.cat(ids), torch.cat(tails)
+
+
+def teacher_ds_config(ds_config: str | Path | Mapping[str, Any], training: TrainingConfig, hidden_size: int | None,
+                      world_size: int) -> dict[str, Any]:
+    """The frozen teacher's engine config, filled as the Distiller fills it (no optimizer, no scheduler)."""
+    config, problems = resolve(load(ds_config), training, hidden_size=hidden_size, world_size=world_size,
+                               name="teacher DeepSpeed config")
+    if problems:
+        raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+    config.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    return config
+
+
+def _on_main(compute: Any) -> Any:
+    """``compute()`` on rank 0 only (e.g. hashing 140 GB of weights), its result sent to every rank."""
+    box = [compute() if distributed.is_main() else None]
+    if distributed.world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def start(root: Path, spec: StoreSpec, config: CaptureConfig) -> Manifest:
+    """Create the store, or check that the one there was started with this spec and layout (resume)."""
+    manifest = Manifest(spec, distributed.world_size(), config.micro_batch_size, config.batches_per_part)
+    if (root / "manifest.json").exists():
+        found = Manifest.load(root)
+        layout = ("world_size", "micro_batch_size", "batches_per_part")
+        differences = [f"{name}: store {getattr(found, name)}, now {getattr(manifest, name)}" for name in layout
+                       if getattr(found, name) != getattr(manifest, name)]
+        differences += [f"{name}: store {value!r}, now {getattr(spec, name)!r}"
+                         for name, value in vars(found.spec).items() if getattr(spec, name) != value]
+        if differences:
+            raise ValueError(
+                f"{root} holds a capture started differently, so it cannot be resumed:\n  - "
+                + "\n  - ".join(differences) + "\nUse another --out folder, or the arguments it was started with."
+            )
+        return found
+    if distributed.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        manifest.save(root)
+    return manifest
+
+
+def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
+            config: CaptureConfig | None = None, *,
+            ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json") -> Manifest:
+    """Capture ``teacher`` over ``blocks`` (``data.tokenize_to_blocks`` output) into the store ``out``.
+
+    Run on every rank (``torchrun``/``deepspeed``, or plain ``python`` for one). Returns the finished
+    manifest, whose ``stats`` hold tokens and bytes per token on disk.
+    """
+    config = config or CaptureConfig()
+    root = Path(out)
+    device = distributed.init()
+    rank, world = distributed.rank(), distributed.world_size()
+    teacher_cfg = models.model_config(teacher)
+    spec = StoreSpec(
+        teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
+        teacher_hash=_on_main(lambda: teacher_fingerprint(teacher, teacher_cfg)),
+        teacher_config=teacher_cfg.to_dict(),
+        tokenizer=str(getattr(tokenizer, "name_or_path", "?")),
+        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+        dataset=_on_main(lambda: dataset_fingerprint(blocks)),
+        k=config.k, values_dtype=config.values_dtype,
+        hidden_layers=config.hidden_layers, hidden_dtype=config.hidden_dtype,
+    )
+    manifest = start(root, spec, config)
+    if world > 1:
+        dist.barrier()
+
+    training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
+    engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
+    model = engines.build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
+                                  device)
+    loader = BlockLoader(blocks, config.micro_batch_size, rank=rank, world_size=world, shuffle=False,
+                         drop_last=False)
+    # Every rank resumes at the same micro-batch (the teacher's forward is collective): the least any finished.
+    done = torch.tensor(completed_batches(root, rank), device=device)
+    if world > 1:
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+    done = int(done)  # a part boundary: every rank's parts end at the same micro-batches
+    loader.load_state_dict({"epoch": 0, "index": done})
+    writer = PartWriter(root, rank, spec)
+    progress = tqdm(total=len(loader), initial=done, desc="capturing", disable=not distributed.is_main())
+    first = done
+    for index, batch in enumerate(loader, start=done):
+        real = _real_blocks(len(blocks), index, rank, world, config.micro_batch_size)
+        _capture_batch(model, batch, real, writer, spec, config, device)
+        if (index + 1) % config.batches_per_part == 0 or index + 1 == len(loader):
+            writer.flush(first, index + 1)
+            first = index + 1
+        progress.update(1)
+    progress.close()
+    if world > 1:
+        dist.barrier()
+    if distributed.is_main():
+        manifest.complete = True
+        manifest.stats = store_stats(root, spec)
+        manifest.save(root)
+        logger.info("teacher store %s: %s", root, manifest.stats)
+    if world > 1:
+        dist.barrier()
+    return Manifest.load(root)
+
+
+def _real_blocks(num_blocks: int, index: int, rank: int, world: int, micro_batch_size: int) -> int:
+    """How many rows of this micro-batch are dataset blocks; the rest are the loader's filler (no labels)."""
+    start = (index * world + rank) * micro_batch_size
+    return max(0, min(micro_batch_size, num_blocks - start))
+
+
+@torch.no_grad()
+def _capture_batch(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], real: int, writer: PartWriter,
+                   spec: StoreSpec, config: CaptureConfig, device: torch.device) -> None:
+    """One micro-batch: the teacher's forward on all of it (a collective: filler rows too), then the rows of
+    its first ``real`` blocks, one per real token."""
+    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(spec.hidden_layers))
+    keep = mask[:real].bool()
+    values, ids, tails = (t.cpu() for t in top_k(out.logits[:real][keep], spec.k, config.chunk_tokens))
+    hidden = {layer: out.hidden_states[layer][:real][keep].cpu() for layer in spec.hidden_layers}
+    counts = keep.sum(1).tolist()
+    hidden_rows = {layer: state.split(counts) for layer, state in hidden.items()}
+    for row, (row_values, row_ids, row_tails) in enumerate(zip(values.split(counts), ids.split(counts),
+                                                              tails.split(counts), strict=True)):
+        writer.add(block_key(input_ids[row], keep[row]), row_values, row_ids, row_tails,
+                   {layer: rows[row] for layer, rows in hidden_rows.items()})

@@ -1,0 +1,80 @@
+"""Capture a teacher once: its top-k next-token log-probabilities (and chosen hidden states) over a dataset.
+
+Later runs distil from the store instead of the live teacher (``distill_kit.captured_teacher``), which
+removes the teacher's forward and its weights from every training step. Run it on every rank::
+
+    torchrun --nproc_per_node 8 scripts/capture_teacher.py --teacher Qwen/Qwen2-72B \\
+        --data corpus/*.jsonl --block-size 2048 --k 64 --out stores/qwen72b-k64
+
+The blocks are built by ``distill_kit.data`` from the data flags below; a training run uses the same
+store only with the same blocks (same files, tokenizer, block size, packing, held-out split and seed),
+and refuses it otherwise. A stopped capture resumes when run again with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from distill_kit import distributed
+from distill_kit.capture import CONFIG_DIR, CaptureConfig, capture
+from distill_kit.data import DataConfig, build_splits
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", required=True, help="a save_pretrained folder or hub name")
+    parser.add_argument("--tokenizer", help="tokenizer folder or hub name (default: the teacher's)")
+    parser.add_argument("--out", type=Path, required=True, help="the store folder (resumed if it holds a capture)")
+    parser.add_argument("--data", nargs="+", required=True, help="text/JSON(L)/Parquet files, or a hub dataset")
+    parser.add_argument("--heldout", nargs="+", help="held-out files (default: a fraction of --data)")
+    parser.add_argument("--split", choices=("train", "heldout"), default="train", help="which blocks to capture")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--block-size", type=int, default=DataConfig.block_size)
+    parser.add_argument("--no-packing", dest="packing", action="store_false", help="one document per block")
+    parser.add_argument("--heldout-fraction", type=float, default=DataConfig.heldout_fraction)
+    parser.add_argument("--max-blocks", type=int, help="capture only the first N blocks of the split")
+    parser.add_argument("--seed", type=int, default=DataConfig.seed, help="the held-out split's seed")
+    defaults = CaptureConfig()
+    parser.add_argument("--k", type=int, default=defaults.k, help="most likely next tokens kept per position")
+    parser.add_argument("--values-dtype", choices=("fp16", "bf16", "fp32"), default=defaults.values_dtype,
+                        help="of the stored log-probabilities (fp16: most precise of the 2-byte types here)")
+    parser.add_argument("--hidden-layers", default="", help="comma-separated hidden-state indices to keep, e.g. 14,28")
+    parser.add_argument("--hidden-dtype", choices=("fp16", "bf16", "fp32"), default=defaults.hidden_dtype)
+    parser.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
+    parser.add_argument("--batches-per-part", type=int, default=defaults.batches_per_part,
+                        help="micro-batches per part file: what a stopped capture redoes at most")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=defaults.dtype,
+                        help="the teacher's compute precision")
+    parser.add_argument("--ds-config", default=str(CONFIG_DIR / "zero3_teacher.json"),
+                        help="the teacher's DeepSpeed config (ZeRO-3 shards it over the ranks)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO)
+    distributed.init()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
+    data = DataConfig(train=args.data, heldout=args.heldout, heldout_fraction=args.heldout_fraction,
+                      text_field=args.text_field, block_size=args.block_size, packing=args.packing,
+                      max_train_blocks=args.max_blocks, max_heldout_blocks=args.max_blocks, seed=args.seed)
+    splits = build_splits(data, tokenizer)
+    config = CaptureConfig(
+        k=args.k, values_dtype=args.values_dtype,
+        hidden_layers=tuple(int(i) for i in args.hidden_layers.split(",") if i.strip()),
+        hidden_dtype=args.hidden_dtype, micro_batch_size=args.micro_batch_size,
+        batches_per_part=args.batches_per_part, dtype=args.dtype,
+    )
+    blocks = splits.train if args.split == "train" else splits.heldout
+    manifest = capture(args.teacher, tokenizer, blocks, args.out, config, ds_config=args.ds_config)
+    if distributed.is_main():
+        print(json.dumps({"store": str(args.out), **manifest.stats}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

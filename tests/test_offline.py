@@ -1,0 +1,50 @@
+"""Offline distillation on two real ranks: capture, train from the store, resume, refuse mismatches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launch import ROOT, run_ranks
+
+WORKER = ROOT / "tests/workers/offline_scenarios.py"
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("offline")
+    run_ranks(WORKER, [str(out), "offline_equals_online,resume,mismatches"], nprocs=2)
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+            for name in ("offline_equals_online", "resume", "mismatches")}
+
+
+def test_full_vocabulary_store_trains_like_the_live_teacher(two_ranks):
+    """k = V, float32 store, forward KL with the tail bucket plus a hidden-state term from a captured layer:
+    the same student parameters and per-step losses as with the ZeRO-3 teacher, with no teacher weights."""
+    for result in two_ranks["offline_equals_online"]:
+        assert result["max_param_change"] > 1e-3
+        assert result["max_param_diff"] < 1e-5
+        assert result["losses"] == pytest.approx(result["online_losses"], rel=1e-5)
+        assert result["teacher_parameters"] == 0
+        assert set(result["rank_dirs"]) == {"rank00000", "rank00001"}  # each rank wrote its own parts
+        # fp32 values (96 x 4) + uint8 ids (96) + fp32 tail (4), plus keys, offsets and file headers
+        assert result["stats"]["top_k_bytes_per_token"] == 96 * 5 + 4
+
+
+def test_capture_resumes_where_it_stopped(two_ranks):
+    for result in two_ranks["resume"]:
+        assert "incomplete" in result["incomplete_refused"] and "resumes" in result["incomplete_refused"]
+        assert result["same_parts"] and result["same_content"] and result["complete"]
+        assert result["kept_untouched"]  # finished parts are not redone
+        assert "k: store 5, now 7" in result["other_k_refused"]
+
+
+def test_store_from_other_inputs_is_refused_naming_both_values(two_ranks):
+    for result in two_ranks["mismatches"]:
+        assert "tokenizer: the store's is" in result["tokenizer"] and "this run's is" in result["tokenizer"]
+        assert "dataset: the store's blocks are" in result["dataset"] and ":10, this run's are" in result["dataset"]
+        assert "top 5 tokens per position, this run asks for 64" in result["k"]
+        assert all(word in result["all"] for word in ("tokenizer:", "dataset:", "k:"))  # every difference at once
+        assert result["none"] == ""
+        assert "not in the teacher store" in result["unknown_sequence"]
