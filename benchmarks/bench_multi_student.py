@@ -88,8 +88,9 @@ def compare(
     timed_steps = training.max_steps - warmup
     if timed_steps < 1:
         raise ValueError(f"max_steps ({training.max_steps}) must exceed warmup ({warmup}) to time anything")
-    per_step = batches[:training.gradient_accumulation_steps * timed_steps]
-    local_tokens = sum(int(b["attention_mask"].sum()) for b in per_step)
+    gas = training.gradient_accumulation_steps  # the timed steps read on from the warm-up's micro-batches
+    timed = [batches[i % len(batches)] for i in range(warmup * gas, training.max_steps * gas)]
+    local_tokens = sum(int(b["attention_mask"].sum()) for b in timed)
     tokens = distributed.all_reduce_sum(torch.tensor(float(local_tokens))).item() * len(students)
 
     shared = MultiStudentDistiller(_build(teacher), [replace(spec, model=_build(spec.model)) for spec in students],

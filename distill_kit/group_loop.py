@@ -10,7 +10,7 @@ follows the single-student :meth:`Distiller.train <distill_kit.distiller.Distill
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +32,8 @@ class Group(Protocol):
     device: torch.device
     step: int
     """Optimizer steps taken; the same for every model of the group."""
+    data: tuple[Iterable[Batch], Iterator[Batch]] | None
+    """The data the last ``train`` read, and where it stands (None before the first)."""
 
     def engines(self) -> Mapping[str, Any]:
         """Each model's DeepSpeed engine by name."""
@@ -44,14 +46,17 @@ def train_group(group: Group, batches: Iterable[Batch], until: int | None = None
     """Step every model of ``group`` to optimizer step ``until`` (default ``training.max_steps``).
 
     Returns one record per step: ``step``, and per model ``<name>/loss``, ``<name>/<part>`` and
-    ``<name>/lr``, each part the mean over the step's micro-batches and all ranks.
+    ``<name>/lr``, each part the mean over the step's micro-batches and all ranks. Called again with the
+    same ``batches`` (training in stretches, evaluating in between), it reads on where it stopped.
     """
     training = group.training
     until = training.max_steps if until is None else min(until, training.max_steps)
     for engine in group.engines().values():
         engine.train()
     history = []
-    micro_batches = Distiller._cycle(batches)
+    if group.data is None or group.data[0] is not batches:
+        group.data = (batches, Distiller._cycle(batches))
+    micro_batches = group.data[1]
     progress = tqdm(total=until, initial=group.step, desc="training together",
                     disable=not distributed.is_main(), dynamic_ncols=True)
     while group.step < until:

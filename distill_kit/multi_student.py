@@ -13,7 +13,7 @@ export; so its hooks (``student_forward``, ``compute_loss``, ``student_step``) a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class MultiStudentDistiller:
                                  **requests[spec.name])
             for spec in specs
         }
+        self.data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # what train() reads, and where
 
     # ---- the step --------------------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class MultiStudentDistiller:
         """Each student from ``<directory>/<name>``; they must all be at the same step to train on together."""
         for name, student in self.students.items():
             student.load(Path(directory) / name)
+        self.data = None  # the next train() reads the data it is given from its start
         steps = {name: student.step for name, student in self.students.items()}
         if len(set(steps.values())) > 1:
             raise ValueError(f"the students' checkpoints in {str(directory)!r} are at different steps {steps}; "

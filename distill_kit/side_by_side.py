@@ -16,7 +16,7 @@ simultaneous-update form of mutual learning); the cost is N models' activations 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class SideBySide:
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
             self.models[spec.name] = engines.build_student(model, loss, config)
         self.step = 0
+        self.data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # what train() reads, and where
 
     # ---- the hooks -------------------------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class SideBySide:
             raise ValueError(f"the models' checkpoints in {str(directory)!r} are at different steps {steps}; "
                              "save them together (SideBySide.save) to resume them together")
         self.step = next(iter(steps.values()))
+        self.data = None  # the next train() reads the data it is given from its start
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
         """Each bare model as a Hugging Face model directory, ``<directory>/<name>``."""

@@ -62,7 +62,7 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     teacher_calls = count_forwards(multi.teacher)
     history = multi.train(data, until=STEPS - 1)
     multi.save(out / "ckpt")
-    history += multi.train(data[(STEPS - 1) * GAS:])
+    history += multi.train(data)  # the same data reads on from step STEPS - 1
     train_calls = teacher_calls[0]
     final = {name: gathered(s.student_model) for name, s in multi.students.items()}
 
