@@ -162,6 +162,9 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     )
     loss = NaiveForwardKL() if "naive" in run.levers else build_loss({"name": args.loss, "chunk_size": args.chunk_size})
     attention = "eager" if "eager" in run.levers else "sdpa"
+    # DeepSpeed 0.19.8 keeps a destroyed ZeRO-3 engine's partitions reachable, so earlier modes can leave
+    # memory behind; it is never touched again, and peaks are reported net of it.
+    left_before = torch.cuda.memory_allocated(device) if cuda else 0
     build_start = time.perf_counter()
     # Teacher first, as the Distiller loads it: the large model must never sit unsharded beside the student.
     teacher = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, attention)
@@ -181,7 +184,7 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     summary = distiller.clock.summary(skip=args.warmup)
     tokens = run.micro_batch * args.seq_len * training.gradient_accumulation_steps
     tokens_per_s = tokens / (summary["step_ms"] / 1e3)
-    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    peak = (torch.cuda.max_memory_allocated(device) - left_before) / GIB if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else None
     flops = facts["flops_per_token"] * tokens_per_s
     result |= {
@@ -191,7 +194,8 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
         "mfu_spec": flops / (args.peak_tflops * 1e12),
         "mfu_measured": flops / (args.measured_tflops * 1e12),
         "peak_allocated_gib": None if peak is None else max_over_ranks(peak, device),
-        "peak_reserved_gib": None if reserved is None else max_over_ranks(reserved, device),
+        "peak_reserved_gib_with_earlier": None if reserved is None else max_over_ranks(reserved, device),
+        "left_by_earlier_modes_gib": left_before / GIB,
         "attention": distiller.student_model.config._attn_implementation,
         "optimizer": type(distiller.student.optimizer.optimizer).__name__,
         "losses": [h["loss"] for h in history],
