@@ -9,6 +9,7 @@ at the last part every rank finished, and a part written twice is written with t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,8 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
             ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json") -> Manifest:
     """Capture ``teacher`` over ``blocks`` (``data.tokenize_to_blocks`` output) into the store ``out``.
 
+    ``tokenizer`` None records none (data that are token ids only, e.g. a benchmark's random ones).
+
     Run on every rank (``torchrun``/``deepspeed``, or plain ``python`` for one). Returns the finished
     manifest, whose ``stats`` hold tokens and bytes per token on disk.
     """
@@ -134,8 +137,8 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
         teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
         teacher_hash=_on_main(lambda: teacher_fingerprint(teacher, teacher_cfg)),
         teacher_config=teacher_cfg.to_dict(),
-        tokenizer=str(getattr(tokenizer, "name_or_path", "?")),
-        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+        tokenizer="none" if tokenizer is None else str(getattr(tokenizer, "name_or_path", "?")),
+        tokenizer_hash="" if tokenizer is None else tokenizer_fingerprint(tokenizer),
         dataset=_on_main(lambda: dataset_fingerprint(blocks)),
         k=config.k, values_dtype=config.values_dtype,
         hidden_layers=config.hidden_layers, hidden_dtype=config.hidden_dtype,
@@ -158,7 +161,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     loader.load_state_dict({"epoch": 0, "index": done})
     writer = PartWriter(root, rank, spec)
     progress = tqdm(total=len(loader), initial=done, desc="capturing", disable=not distributed.is_main())
-    first = done
+    first, started = done, time.perf_counter()
     for index, batch in enumerate(loader, start=done):
         real = _real_blocks(len(blocks), index, rank, world, config.micro_batch_size)
         _capture_batch(model, batch, real, writer, spec, config, device)
@@ -171,7 +174,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
         dist.barrier()
     if distributed.is_main():
         manifest.complete = True
-        manifest.stats = store_stats(root, spec)
+        manifest.stats = store_stats(root, spec) | {"capture_s": time.perf_counter() - started}
         manifest.save(root)
         logger.info("teacher store %s: %s", root, manifest.stats)
     if world > 1:
