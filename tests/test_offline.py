@@ -48,3 +48,34 @@ def test_store_from_other_inputs_is_refused_naming_both_values(two_ranks):
         assert all(word in result["all"] for word in ("tokenizer:", "dataset:", "k:"))  # every difference at once
         assert result["none"] == ""
         assert "not in the teacher store" in result["unknown_sequence"]
+
+
+def test_capture_script_stores_the_blocks_a_training_run_builds(tmp_path):
+    """scripts/capture_teacher.py end to end under plain python: its store fits the blocks that
+    ``data.build_splits`` gives a run with the same data settings, and reports its size per token."""
+    import datasets
+    from tiny_models import gpt2_config
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    from distill_kit.captured_teacher import CapturedTeacher
+    from distill_kit.data import DataConfig, build_splits
+
+    tokenizer_dir = ROOT / "distill_kit/assets/default"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    GPT2LMHeadModel(gpt2_config(width=32, layers=2, vocab=len(tokenizer))).save_pretrained(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n"}) + "\n"
+                              for i in range(40)))
+    data = DataConfig(train=str(corpus), block_size=32, heldout_fraction=0.1)
+    run_ranks(ROOT / "scripts/capture_teacher.py",
+              ["--teacher", str(tmp_path / "teacher"), "--tokenizer", str(tokenizer_dir), "--data", str(corpus),
+               "--block-size", "32", "--heldout-fraction", "0.1", "--k", "16", "--hidden-layers", "2",
+               "--micro-batch-size", "2", "--batches-per-part", "3", "--dtype", "fp32", "--out", str(tmp_path / "s")],
+              nprocs=0)
+    blocks = build_splits(data, tokenizer).train
+    assert isinstance(blocks, datasets.Dataset)
+    teacher = CapturedTeacher(tmp_path / "s", tokenizer=tokenizer, dataset=blocks, k=16)
+    stats = teacher.reader.manifest.stats
+    assert stats["blocks"] == len(blocks) == len(teacher.reader)
+    assert stats["top_k_bytes_per_token"] == 16 * (2 + 2) + 2  # fp16 values, uint16 ids (1024 ids), fp16 tail
+    assert stats["bytes_per_token"] > stats["top_k_bytes_per_token"]  # + hidden states, keys, headers
