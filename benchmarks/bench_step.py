@@ -14,10 +14,11 @@ into phases (``phases.py``). Before the runs, on a clean device, it measures the
 against the naive float32 one (``loss_memory.py``). Results go to ``OUT/bench.json``, ``results.md`` and
 ``chart.png`` (``report.py``).
 
-GPU (2x H200)::
+GPU (2x H200; the second line is the headline run in RESULTS.md)::
 
     torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench
-    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --runs ours@16+fused baseline@16+fused
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --chunk-size 1024 \
+        --runs ours@32+bucket baseline@32+bucket upper@32+bucket
 
 CPU smoke (what the test suite runs)::
 
