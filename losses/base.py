@@ -98,7 +98,7 @@ class LogitLoss(DistillationLoss):
     top_k_targets: bool = True
     """Whether ``per_token`` means the same on rows over a captured teacher's top k (any divergence does)."""
 
-    def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 4096):
+    def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 1024):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")

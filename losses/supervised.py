@@ -23,7 +23,7 @@ class CrossEntropy(LogitLoss):
 
     needs_teacher = False
 
-    def __init__(self, chunk_size: int = 4096):
+    def __init__(self, chunk_size: int = 1024):
         super().__init__(temperature=1.0, scale_by_t2=False, chunk_size=chunk_size)
 
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:

@@ -24,7 +24,7 @@ def smoke(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     run_ranks(SCRIPT, ["--pair", "tiny", "--seq-len", "32", "--micro-batch", "2", "--warmup", "1", "--steps", "2",
                        "--loss-memory-shape", "2,16", "--runs", *MODES, "ours+fused+naive", "--out", str(out)],
-              nprocs=2, timeout=120)
+              nprocs=2, timeout=400)
     assert (out / "chart.png").stat().st_size > 0
     assert "ours@2 / baseline" in (out / "results.md").read_text()
     return json.loads((out / "bench.json").read_text())

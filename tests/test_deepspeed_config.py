@@ -49,7 +49,7 @@ def test_shipped_configs_fill_from_the_run():
     assert student["gradient_clipping"] == 0.7
     assert student["optimizer"]["params"]["weight_decay"] == 0.1
     assert student["scheduler"]["params"]["total_num_steps"] == 50
-    assert student["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert student["zero_optimization"]["reduce_bucket_size"] == int(5e8)  # DeepSpeed's default below stage 3
     assert "optimizer" not in teacher
 
 
