@@ -32,6 +32,14 @@ class TrainingConfig:
     """Precision of both engines: bf16 on modern GPUs; fp32 on the CPU, where bf16 matmuls are slow."""
     seed: int = 0
     log_every: int = 10
+    checkpoint_dir: str | None = None
+    """Where checkpoints go, one ``step_N`` folder each; None writes none (a signal then only stops the run)."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints; 0 saves only after the last step and when a signal stops the run."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; the oldest is deleted only once a newer one is complete."""
+    max_bad_steps: int = 3
+    """Non-finite (NaN/inf loss or gradient) steps in a row that stop the run; fewer are skipped and counted."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -43,6 +51,9 @@ class TrainingConfig:
             "max_grad_norm": self.max_grad_norm >= 0,
             "dtype": self.dtype in ("fp32", "bf16", "fp16"),
             "log_every": self.log_every >= 1,
+            "save_every": self.save_every >= 0,
+            "keep_checkpoints": self.keep_checkpoints >= 1,
+            "max_bad_steps": self.max_bad_steps >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import deepspeed
 import torch
@@ -56,3 +57,27 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op on one): e.g. until all have written their part of a checkpoint."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank, so that all take the same decision (which checkpoint to load)."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if world_size() == 1:
+        return [value]
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone

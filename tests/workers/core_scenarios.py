@@ -180,7 +180,7 @@ def losses_and_hooks(out: Path, pair: tuple[Path, Path]) -> None:
     distiller.save(out / "ckpt")
     subclassed = readme_subclass()(student_dir, teacher_dir, training=training)
     sub_history = subclassed.train(data)
-    states = torch.load(next((out / "ckpt").glob("*/mp_rank_00_model_states.pt")), weights_only=False)
+    states = torch.load(next((out / "ckpt").rglob("mp_rank_00_model_states.pt")), weights_only=False)
     write(out, "losses_and_hooks", {
         "parts": sorted(history[0]),
         "first": history[0]["loss"], "last": history[-1]["loss"],

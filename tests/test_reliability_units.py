@@ -1,0 +1,185 @@
+"""The reliability pieces on their own, in one process: checkpoint files, the output-directory guard, random
+generators, the teacher fingerprint, non-finite steps, signals, and the bad-input checks they add."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from distill_kit import TrainingConfig, checkpoint
+from distill_kit.distiller import check_vocabularies
+from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
+from distill_kit.preemption import StopRequest
+
+HASH = "a" * 64
+
+
+class FakeEngine:
+    """Writes and reads one weights file the way DeepSpeed's engine does: under ``<dir>/<tag>``."""
+
+    def __init__(self, weights: bytes = b"weights"):
+        self.weights, self.loaded_from = weights, None
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        (Path(save_dir) / tag).mkdir(parents=True)
+        (Path(save_dir) / tag / "model_states.pt").write_bytes(self.weights)
+
+    def load_checkpoint(self, load_dir: str, tag: str):
+        self.loaded_from = Path(load_dir) / tag
+        return str(self.loaded_from), {}
+
+
+def save(directory: Path, step: int, keep_last: int = 2, engine: FakeEngine | None = None) -> Path:
+    return checkpoint.save(directory, engine or FakeEngine(), step=step, trainer_state={"step": step, "history": []},
+                           rank_state={"data": step}, teacher_sha256=HASH, keep_last=keep_last)
+
+
+def test_save_writes_everything_then_the_manifest_and_keeps_the_last_n(tmp_path):
+    for step in (1, 2, 3):
+        path = save(tmp_path, step)
+    assert path == tmp_path / "step_00000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["teacher_sha256"] == HASH and manifest["world_size"] == 1
+    assert set(manifest["files"]) == {"deepspeed/model_states.pt", "rank00000.pt", "trainer_state.json"}
+    assert checkpoint.verify(path) is None
+
+
+def test_a_complete_checkpoint_of_the_same_step_is_kept_and_leftovers_are_cleared(tmp_path):
+    first = save(tmp_path, 4, engine=FakeEngine(b"first"))
+    (tmp_path / ".partial-step_00000009").mkdir()  # what a killed save leaves
+    save(tmp_path, 4, engine=FakeEngine(b"second"))
+    assert (first / "deepspeed/model_states.pt").read_bytes() == b"first"
+    assert not (tmp_path / ".partial-step_00000009").exists()
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (lambda p: (p / "manifest.json").unlink(), "no manifest"),
+    (lambda p: (p / "rank00000.pt").unlink(), "rank00000.pt is missing"),
+    (lambda p: (p / "deepspeed/model_states.pt").write_bytes(b"weightz"), "does not match its sha256"),
+    (lambda p: (p / "deepspeed/model_states.pt").write_bytes(b"w"), "has 1 bytes, the manifest says 7"),
+    (lambda p: (p / "manifest.json").write_text("{"), "manifest is unreadable"),
+])
+def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path, caplog, damage, reason):
+    save(tmp_path, 1)
+    damage(save(tmp_path, 2))
+    (tmp_path / ".partial-step_00000003").mkdir()
+    with caplog.at_level(logging.WARNING, logger="distill_kit.checkpoint"):
+        assert checkpoint.latest_complete(tmp_path) == tmp_path / "step_00000001"
+    assert reason in caplog.text
+    assert ".partial-step_00000003: a save that did not finish" in caplog.text
+    assert checkpoint.latest_complete(tmp_path / "nothing-here") is None
+
+
+def test_load_refuses_another_teacher_or_world_size_before_touching_the_engine(tmp_path):
+    path = save(tmp_path, 1)
+    engine = FakeEngine()
+    with pytest.raises(ValueError, match=f"teacher sha256 {HASH}, but this run's teacher is sha256 {'b' * 64}"):
+        checkpoint.load(path, engine, teacher_sha256="b" * 64)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(manifest | {"world_size": 2}))
+    with pytest.raises(ValueError, match="written by 2 ranks; this run has 1. Resume on 2 ranks"):
+        checkpoint.load(path, engine, teacher_sha256=HASH)
+    assert engine.loaded_from is None
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    trainer_state, rank_state = checkpoint.load(path, engine, teacher_sha256=HASH)
+    assert trainer_state["step"] == 1 and rank_state == {"data": 1}
+    assert engine.loaded_from == path / "deepspeed"
+
+
+def test_output_dir_guard(tmp_path):
+    run = {"teacher": "t", "training": {"lr": 1e-3, "max_steps": 10}}
+    out = tmp_path / "out"
+    checkpoint.check_output_dir(out, run, resume=False)  # new: the identity is recorded
+    checkpoint.check_output_dir(out, run, resume=False)  # same run, no checkpoint yet: fine
+    (out / "ckpt").mkdir()
+    save(out / "ckpt", 1)
+    with pytest.raises(ValueError, match=r"holds checkpoints of this run: resume it \(--resume\)"):
+        checkpoint.check_output_dir(out, run, resume=False)
+    checkpoint.check_output_dir(out, run, resume=True)
+    other = {"teacher": "t", "training": {"lr": 2e-3, "max_steps": 10}}
+    with pytest.raises(ValueError, match=r"holds another run \(training.lr: 0.001 -> 0.002\)"):
+        checkpoint.check_output_dir(out, other, resume=True)
+    (tmp_path / "stranger").mkdir()
+    (tmp_path / "stranger/notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no run_identity.json: it is not a distill-kit run"):
+        checkpoint.check_output_dir(tmp_path / "stranger", run, resume=False)
+
+
+def test_random_generators_round_trip():
+    state = checkpoint.capture_rng()
+    first = [random.random(), np.random.rand(), torch.rand(3)]
+    checkpoint.restore_rng(state)
+    again = [random.random(), np.random.rand(), torch.rand(3)]
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
+def test_teacher_fingerprint_names_the_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    before = checkpoint.teacher_fingerprint(model)
+    assert checkpoint.teacher_fingerprint(model) == before
+    with torch.no_grad():
+        model[1].bias[0] += 1e-7
+    assert checkpoint.teacher_fingerprint(model) != before
+
+
+def test_a_non_finite_loss_gets_non_finite_gradients_and_a_finite_one_is_untouched():
+    weight = torch.tensor([2.0], requires_grad=True)
+    loss = (weight * 3).sum()
+    assert poison_if_not_finite(loss).item() == loss.item()
+    poison_if_not_finite(loss).backward()
+    assert weight.grad.item() == 3.0
+    weight.grad = None
+    poison_if_not_finite((weight * float("inf")).sum() - float("inf")).backward()
+    assert weight.grad.isnan().all()
+
+
+def test_non_finite_steps_are_counted_then_stop_the_run_naming_step_and_part():
+    guard = NonFiniteSteps(stop_after=2)
+    assert guard.counts(1, {"loss": 1.0, "kl": 1.0}, applied=True)
+    assert not guard.counts(2, {"loss": float("nan"), "kl": float("nan"), "ce": 1.0}, applied=False)
+    assert guard.counts(2, {"loss": 1.0}, applied=True)  # a good step resets the run of bad ones
+    assert not guard.counts(3, {"loss": 1.0}, applied=False)  # finite loss, non-finite gradient
+    with pytest.raises(NonFiniteError, match=r"step 3: non-finite kl, loss on at least one rank; 2 bad steps"):
+        guard.counts(3, {"loss": float("inf"), "kl": float("inf"), "ce": 1.0}, applied=False)
+    assert guard.skipped == 3
+    scaled = NonFiniteSteps(stop_after=1, loss_scaling=True)  # fp16: a scaler overflow is routine
+    assert not scaled.counts(1, {"loss": 1.0}, applied=False) and scaled.skipped == 0
+
+
+def test_a_signal_becomes_a_request_and_a_second_one_interrupts():
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest(torch.device("cpu")) as stop:
+        assert not stop.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGTERM" and stop.agreed()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+@pytest.mark.parametrize("field", ["save_every", "keep_checkpoints", "max_bad_steps", "max_steps", "lr"])
+def test_training_settings_out_of_range_are_named(field):
+    with pytest.raises(ValueError, match=f"invalid training settings: {field}=-1"):
+        TrainingConfig(**{field: -1})
+
+
+def test_a_student_vocabulary_larger_than_the_teachers_is_refused():
+    def model(vocab):
+        return SimpleNamespace(config=SimpleNamespace(vocab_size=vocab))
+
+    with pytest.raises(ValueError, match=r"student's vocabulary \(120\) is larger than the teacher's \(96\)"):
+        check_vocabularies(model(120), model(96))
+    check_vocabularies(model(96), model(128))  # a padded teacher vocabulary is cut by the losses
