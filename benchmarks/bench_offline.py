@@ -126,7 +126,7 @@ def main() -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    captured = CapturedTeacher(store, dataset=manifest.spec.dataset, k=args.k, tail_bucket=args.tail_bucket)
+    captured = CapturedTeacher(store, k=args.k, tail_bucket=args.tail_bucket)
     offline = timed(captured, student_cfg, teacher_cfg, args, training, batches, device)
 
     stats = manifest.stats

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,12 @@ from distill_kit import distributed, engines, models
 from distill_kit.config import TrainingConfig
 from distill_kit.data import BlockLoader
 from distill_kit.deepspeed_config import DeepSpeedConfigError, load, resolve
+from distill_kit.distiller import CONFIG_DIR
 from distill_kit.fingerprints import dataset_fingerprint, teacher_fingerprint, tokenizer_fingerprint
 from distill_kit.models import ModelSource
 from distill_kit.teacher_store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
 
 logger = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def teacher_ds_config(ds_config: str | Path | Mapping[str, Any], training: Train
     return config
 
 
-def _on_main(compute: Any) -> Any:
+def _on_main(compute: Callable[[], str]) -> str:
     """``compute()`` on rank 0 only (e.g. hashing 140 GB of weights), its result sent to every rank."""
     box = [compute() if distributed.is_main() else None]
     if distributed.world_size() > 1:

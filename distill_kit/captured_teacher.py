@@ -64,7 +64,6 @@ class CapturedOutput:
 
     logits: SparseTeacherLogits
     hidden_states: CapturedHiddenStates | None = None
-    attentions: None = None
 
 
 class CapturedHiddenStates(Sequence[torch.Tensor]):

@@ -49,6 +49,8 @@ from distill_kit.models import TORCH_DTYPES
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 KEY_BYTES = 16
+TOP_K_TENSORS = ("log_probs", "log_tail", "ids", "ids_high")
+ELEMENT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "U8": 1, "U16": 2, "I32": 4, "I64": 8}  # safetensors dtype names
 
 
 def block_key(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bytes:
@@ -230,9 +232,9 @@ def store_stats(root: Path, spec: StoreSpec) -> dict[str, float]:
             tokens += int(offsets[-1])
             blocks += len(offsets) - 1
             for name in part.keys():
-                if name in ("log_probs", "log_tail", "ids", "ids_high"):
+                if name in TOP_K_TENSORS:
                     sliced = part.get_slice(name)
-                    payload += int(np.prod(sliced.get_shape())) * TORCH_ELEMENT_SIZES[sliced.get_dtype()]
+                    payload += int(np.prod(sliced.get_shape())) * ELEMENT_BYTES[sliced.get_dtype()]
     on_disk = sum(path.stat().st_size for path in parts(root))
     return {"tokens": tokens, "blocks": blocks, "bytes_on_disk": on_disk,
             "bytes_per_token": on_disk / max(tokens, 1), "top_k_bytes_per_token": payload / max(tokens, 1)}
@@ -281,5 +283,3 @@ class StoreReader:
         ids = self.codec.decode(stored)
         return {name: value for name, value in stored.items() if not name.startswith("ids")} | {"ids": ids}
 
-
-TORCH_ELEMENT_SIZES = {"F16": 2, "BF16": 2, "F32": 4, "U8": 1, "U16": 2, "I32": 4, "I64": 8}

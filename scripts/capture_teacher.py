@@ -21,8 +21,9 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from distill_kit import distributed
-from distill_kit.capture import CONFIG_DIR, CaptureConfig, capture
+from distill_kit.capture import CaptureConfig, capture
 from distill_kit.data import DataConfig, build_splits
+from distill_kit.distiller import CONFIG_DIR
 
 
 def parse_args() -> argparse.Namespace:

@@ -55,13 +55,15 @@ def test_capture_script_stores_the_blocks_a_training_run_builds(tmp_path):
     ``data.build_splits`` gives a run with the same data settings, and reports its size per token."""
     import datasets
     from tiny_models import gpt2_config
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from distill_kit.captured_teacher import CapturedTeacher
     from distill_kit.data import DataConfig, build_splits
+    from distill_kit.tokenizer import train_tokenizer
 
-    tokenizer_dir = ROOT / "distill_kit/assets/default"
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = train_tokenizer([f"def f{i}(x):\n    return x * {i}\n" for i in range(20)], vocab_size=300)
+    tokenizer.save_pretrained(tokenizer_dir)
     GPT2LMHeadModel(gpt2_config(width=32, layers=2, vocab=len(tokenizer))).save_pretrained(tmp_path / "teacher")
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n"}) + "\n"
@@ -77,5 +79,5 @@ def test_capture_script_stores_the_blocks_a_training_run_builds(tmp_path):
     teacher = CapturedTeacher(tmp_path / "s", tokenizer=tokenizer, dataset=blocks, k=16)
     stats = teacher.reader.manifest.stats
     assert stats["blocks"] == len(blocks) == len(teacher.reader)
-    assert stats["top_k_bytes_per_token"] == 16 * (2 + 2) + 2  # fp16 values, uint16 ids (1024 ids), fp16 tail
+    assert stats["top_k_bytes_per_token"] == 16 * (2 + 2) + 2  # fp16 values, uint16 ids (300 ids), fp16 tail
     assert stats["bytes_per_token"] > stats["top_k_bytes_per_token"]  # + hidden states, keys, headers

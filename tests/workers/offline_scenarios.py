@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_scenarios import CONSTANT_LR, GAS, LENGTH, MBS, STEPS, TRAINING, gathered, rank_batches  # noqa: E402
@@ -24,12 +24,16 @@ from distill_kit import Distiller, distributed  # noqa: E402
 from distill_kit.capture import CaptureConfig, capture  # noqa: E402
 from distill_kit.captured_teacher import CapturedTeacher, StoreMismatchError  # noqa: E402
 from distill_kit.teacher_store import MANIFEST, Manifest, parts  # noqa: E402
+from distill_kit.tokenizer import train_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "distill_kit/assets/default"
 LOSS = [{"name": "forward_kl", "weight": 1.0}, {"name": "hidden_mse", "weight": 0.5, "layers": [[1, 3]]}]
 FULL = CaptureConfig(k=VOCAB, values_dtype="fp32", hidden_layers=(3,), hidden_dtype="fp32", micro_batch_size=MBS,
                      batches_per_part=2, dtype="fp32")
+
+
+def tiny_tokenizer():
+    """A small byte-level BPE trained here: the store records its vocabulary, the token ids are random."""
+    return train_tokenizer(["def f(x):\n    return x + 1\n"] * 4, vocab_size=300)
 
 
 def write(out: Path, name: str, result: dict) -> None:
@@ -111,7 +115,7 @@ def resume(out: Path, pair: tuple[Path, Path], tokenizer) -> None:
 def mismatches(out: Path, tokenizer) -> None:
     """A store is refused for another tokenizer, dataset or k; every difference named with both values."""
     store = out / "resume_store"
-    other_tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    other_tokenizer = tiny_tokenizer()
     other_tokenizer.add_tokens(["<extra>"])
     other_blocks = blocks_of(random_batches(5, MBS, LENGTH, seed=12))
     messages = {}
@@ -139,7 +143,7 @@ def main() -> None:
         save_pair(out / "models")
     torch.distributed.barrier()
     pair = (out / "models/teacher", out / "models/student")
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer = tiny_tokenizer()
     if "offline_equals_online" in scenarios:
         offline_equals_online(out, pair, tokenizer)
     if "resume" in scenarios:
