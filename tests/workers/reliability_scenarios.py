@@ -82,13 +82,14 @@ def block_loader(seed: int = 3, blocks: int = BLOCKS, **kwargs) -> BlockLoader:
 class Faulty(Distiller):
     """Turns a batch marked ``poison: "loss"`` into a NaN loss and forward_kl part, ``"grad"`` into a NaN
     gradient with a finite loss; ``sigterm_at`` sends this process SIGTERM inside that step's teacher forward;
-    counts teacher forwards."""
+    counts teacher forwards, and draws from Python's and NumPy's generators as data augmentation would."""
 
     sigterm_at: int | None = None
     teacher_forwards = 0
 
     def teacher_forward(self, batch):
         self.teacher_forwards += 1
+        random.random(), np.random.rand()
         if self.sigterm_at == self.step + 1:
             self.sigterm_at = None
             os.kill(os.getpid(), signal.SIGTERM)
@@ -122,7 +123,7 @@ def resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> Faul
     stopped = {"by": interrupted.stopped_by, "step": interrupted.step,
                "checkpoints": sorted(p.name for p in Path(training.checkpoint_dir).iterdir())}
 
-    resumed = Distiller(student, teacher, training=training)
+    resumed = Faulty(student, teacher, training=training)
     path = resumed.resume()
     resumed.train(block_loader())  # a fresh loader, as a new process builds; the checkpoint positions it
     draws, params = rng_draws(), gathered(resumed.student_model)
