@@ -8,7 +8,8 @@ added here: a non-finite *loss* is turned into non-finite gradients (:func:`pois
 trips that check even where its gradient alone would be finite; and :class:`NonFiniteSteps` counts the skipped
 steps for the logs and stops the run at the ``stop_after``-th in a row, naming the step and the loss parts that
 went bad. A skipped step is not a step: the step counter (and so the learning-rate schedule, which DeepSpeed
-does not advance either) stays where it was, while the data moves on past the bad batch.
+does not advance either) stays where it was, while the data moves on past the bad batch. A student engine with
+no such check (no ZeRO, in fp32) takes the step anyway; that stops the run at once.
 """
 
 from __future__ import annotations
@@ -61,10 +62,16 @@ class NonFiniteSteps:
         if not bad_parts and self.loss_scaling:
             logger.info("step %d: fp16 loss scale overflow, step skipped and the scale lowered", step)
             return False
-        self.skipped += 1
-        self.consecutive += 1
         what = (f"non-finite {', '.join(bad_parts)} on at least one rank" if bad_parts
                 else "a non-finite gradient with a finite loss")
+        if applied:  # an optimizer without an overflow check (no ZeRO, fp32) took the step: the weights are spoilt
+            raise NonFiniteError(
+                f"step {step}: {what}, and the optimizer step was taken anyway: this student engine cannot discard "
+                "steps. Use a ZeRO student config (zero_optimization.stage 1-3) to skip such steps, and resume "
+                "from the last complete checkpoint, which is intact."
+            )
+        self.skipped += 1
+        self.consecutive += 1
         if self.consecutive >= self.stop_after:
             raise NonFiniteError(
                 f"step {step}: {what}; {self.consecutive} bad steps in a row (training.max_bad_steps="

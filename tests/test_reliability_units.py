@@ -156,6 +156,8 @@ def test_non_finite_steps_are_counted_then_stop_the_run_naming_step_and_part():
     assert guard.skipped == 3
     scaled = NonFiniteSteps(stop_after=1, loss_scaling=True)  # fp16: a scaler overflow is routine
     assert not scaled.counts(1, {"loss": 1.0}, applied=False) and scaled.skipped == 0
+    with pytest.raises(NonFiniteError, match="step 5: non-finite loss .* the optimizer step was taken anyway"):
+        NonFiniteSteps(stop_after=3).counts(5, {"loss": float("nan")}, applied=True)  # e.g. ZeRO stage 0, fp32
 
 
 def test_a_signal_becomes_a_request_and_a_second_one_interrupts():
