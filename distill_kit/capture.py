@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit import distributed, engines, models
+from distill_kit import checkpoint, distributed, engines, models
 from distill_kit.config import TrainingConfig
 from distill_kit.data import BlockLoader
 from distill_kit.deepspeed_config import DeepSpeedConfigError, load, resolve
 from distill_kit.distiller import CONFIG_DIR
-from distill_kit.fingerprints import dataset_fingerprint, teacher_fingerprint, tokenizer_fingerprint
+from distill_kit.fingerprints import dataset_fingerprint, tokenizer_fingerprint
 from distill_kit.models import ModelSource
 from distill_kit.teacher_store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
 
@@ -89,7 +89,7 @@ def teacher_ds_config(ds_config: str | Path | Mapping[str, Any], training: Train
 
 
 def _on_main(compute: Callable[[], str]) -> str:
-    """``compute()`` on rank 0 only (e.g. hashing 140 GB of weights), its result sent to every rank."""
+    """``compute()`` on rank 0 only (e.g. hashing a large dataset), its result sent to every rank."""
     box = [compute() if distributed.is_main() else None]
     if distributed.world_size() > 1:
         dist.broadcast_object_list(box, src=0)
@@ -133,9 +133,14 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     device = distributed.init()
     rank, world = distributed.rank(), distributed.world_size()
     teacher_cfg = models.model_config(teacher)
+    training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
+    engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
+    model = engines.build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
+                                  device)
     spec = StoreSpec(
         teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
-        teacher_hash=_on_main(lambda: teacher_fingerprint(teacher, teacher_cfg)),
+        # The identity checkpoints record too, so a run resumed from the store is checked against the same teacher.
+        teacher_hash=checkpoint.teacher_fingerprint(model),
         teacher_config=teacher_cfg.to_dict(),
         tokenizer="none" if tokenizer is None else str(getattr(tokenizer, "name_or_path", "?")),
         tokenizer_hash="" if tokenizer is None else tokenizer_fingerprint(tokenizer),
@@ -146,11 +151,6 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     manifest = start(root, spec, config)
     if world > 1:
         dist.barrier()
-
-    training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
-    engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
-    model = engines.build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
-                                  device)
     loader = BlockLoader(blocks, config.micro_batch_size, rank=rank, world_size=world, shuffle=False,
                          drop_last=False)
     # Every rank resumes at the same micro-batch (the teacher's forward is collective): the least any finished.

@@ -109,6 +109,7 @@ class CapturedTeacher(nn.Module):
         check_store(self.spec, self.reader.root, tokenizer=tokenizer, dataset=dataset, k=k)
         self.config = teacher_config(self.spec)
         self.tail_bucket = tail_bucket
+        self.teacher_sha256 = self.spec.teacher_hash  # the identity checkpoints record (checkpoint.py)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_hidden_states: bool = False, output_attentions: bool = False, **_: Any) -> CapturedOutput:

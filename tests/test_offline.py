@@ -27,6 +27,7 @@ def test_full_vocabulary_store_trains_like_the_live_teacher(two_ranks):
         assert result["max_param_diff"] < 1e-5
         assert result["losses"] == pytest.approx(result["online_losses"], rel=1e-5)
         assert result["teacher_parameters"] == 0
+        assert result["same_teacher_identity"]
         assert set(result["rank_dirs"]) == {"rank00000", "rank00001"}  # each rank wrote its own parts
         # fp32 values (96 x 4) + uint8 ids (96) + fp32 tail (4), plus keys, offsets and file headers
         assert result["stats"]["top_k_bytes_per_token"] == 96 * 5 + 4

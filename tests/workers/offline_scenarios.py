@@ -46,10 +46,10 @@ def blocks_of(batches: list[dict]) -> datasets.Dataset:
                                        for name in ("input_ids", "attention_mask", "labels")})
 
 
-def train(student: Path, teacher, batches: list[dict]) -> tuple[list[torch.Tensor], list[float]]:
+def train(student: Path, teacher, batches: list[dict]) -> tuple[list[torch.Tensor], list[float], str]:
     distiller = Distiller(student, teacher, loss=LOSS, training=TRAINING, student_ds_config=CONSTANT_LR)
     history = distiller.train(batches)
-    return gathered(distiller.student_model.parameters()), [h["loss"] for h in history]
+    return gathered(distiller.student_model.parameters()), [h["loss"] for h in history], distiller.teacher_sha256
 
 
 def offline_equals_online(out: Path, pair: tuple[Path, Path], tokenizer) -> None:
@@ -60,9 +60,9 @@ def offline_equals_online(out: Path, pair: tuple[Path, Path], tokenizer) -> None
     blocks = blocks_of(all_batches)
     manifest = capture(teacher_dir, tokenizer, blocks, out / "store", FULL)
     mine = rank_batches(all_batches, distributed.rank(), world)
-    online, online_losses = train(student_dir, teacher_dir, mine)
+    online, online_losses, online_hash = train(student_dir, teacher_dir, mine)
     store = CapturedTeacher(out / "store", tokenizer=tokenizer, dataset=blocks, k=VOCAB)
-    offline, offline_losses = train(student_dir, store, mine)
+    offline, offline_losses, offline_hash = train(student_dir, store, mine)
     initial = [p.detach() for p in GPT2LMHeadModel.from_pretrained(student_dir).parameters()]
     write(out, "offline_equals_online", {
         "max_param_diff": max((a - b).abs().max().item() for a, b in zip(offline, online, strict=True)),
@@ -70,6 +70,7 @@ def offline_equals_online(out: Path, pair: tuple[Path, Path], tokenizer) -> None
         "losses": offline_losses, "online_losses": online_losses,
         "stats": manifest.stats, "rank_dirs": sorted(p.parent.name for p in parts(out / "store")),
         "teacher_parameters": sum(p.numel() for p in store.parameters()),
+        "same_teacher_identity": online_hash == offline_hash,  # what checkpoints record: resumable across modes
     })
 
 
