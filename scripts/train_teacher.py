@@ -30,7 +30,7 @@ from distill_kit.corpus import DEFAULT_HELDOUT_FRACTION, CorpusSplits, write_cor
 from distill_kit.data import IGNORE_INDEX, BlockLoader, DataConfig, build_splits
 from distill_kit.tokenizer import DEFAULT_VOCAB_SIZE, train_and_save
 
-ASSETS = Path(__file__).resolve().parents[1] / "distill_kit" / "assets" / "default"
+ASSETS = Path(__file__).resolve().parents[1] / "distill_kit" / "assets" / "default" / "teacher"
 
 
 def parse_args() -> argparse.Namespace:
