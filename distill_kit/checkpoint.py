@@ -6,10 +6,11 @@ the log history, every rank's data position and random generators (Python, NumPy
 and the identity of the teacher the student was trained against. Layout of a checkpoint directory::
 
     step_00000100/              one complete checkpoint
-        deepspeed/...           the engine's files (DeepSpeed tag "deepspeed")
+        deepspeed/...           the engine's files (DeepSpeed tag "deepspeed"); a group's: <name>/... each
         rank00000.pt, ...       each rank's random generators and data position
         trainer_state.json      step, history, counters
-        manifest.json           written last: each file's size and sha256, the step, world size, teacher hash
+        manifest.json           written last: each file's size and sha256, the step, world size, teacher hash,
+                                the engines' folders
     .partial-step_00000110/     a save in progress, or what a killed process left behind
 
 Every rank writes into ``.partial-step_N``; after a barrier rank 0 hashes the files into the manifest and renames
@@ -49,6 +50,8 @@ TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_TAG = "deepspeed"
 RUN_IDENTITY = "run_identity.json"
 FORMAT = 1
+Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
+"""One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
 
 
@@ -58,6 +61,16 @@ def checkpoint_name(step: int) -> str:
 
 def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
+
+
+def _by_folder(engines: Engines) -> dict[str, deepspeed.DeepSpeedEngine]:
+    """Engines by the folder each is kept in; a folder may not take the name of a checkpoint's own files."""
+    engines = dict(engines) if isinstance(engines, Mapping) else {DEEPSPEED_TAG: engines}
+    clashing = [name for name in engines
+                if name in (MANIFEST, TRAINER_STATE) or (name.startswith("rank") and name.endswith(".pt"))]
+    if clashing:
+        raise ValueError(f"models named {clashing} would clash with a checkpoint's own files; rename them")
+    return engines
 
 
 def _step_of(path: Path) -> int | None:
@@ -150,21 +163,23 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
 
 def save(
     directory: str | Path,
-    engine: deepspeed.DeepSpeedEngine,
+    engines: Engines,
     *,
     step: int,
     trainer_state: Mapping[str, Any],
     rank_state: Mapping[str, Any],
-    teacher_sha256: str,
+    teacher_sha256: str | None,
     keep_last: int,
 ) -> Path:
-    """Write ``<directory>/step_<step>`` atomically; every rank calls this (the engine's save is collective).
+    """Write ``<directory>/step_<step>`` atomically; every rank calls this (the engines' saves are collective).
 
-    ``rank_state`` is this rank's own (random generators, data position); ``trainer_state`` is rank 0's. A
+    ``engines`` is one engine or several by name (a group's models: each engine in ``<name>/``, one manifest for
+    all). ``rank_state`` is this rank's own (random generators, data position); ``trainer_state`` is rank 0's;
+    ``teacher_sha256`` is None for models trained without a teacher. A
     complete checkpoint of the same step is kept rather than rewritten: that happens only when steps were
     skipped since, and resuming from it replays those skips identically.
     """
-    directory = Path(directory)
+    directory, engines = Path(directory), _by_folder(engines)
     final = directory / checkpoint_name(step)
     partial = directory / (PARTIAL + final.name)
     keep = False
@@ -178,7 +193,8 @@ def save(
                 _remove(final)
     if distributed.broadcast_object(keep):
         return final
-    engine.save_checkpoint(str(partial), tag=DEEPSPEED_TAG, save_latest=False)
+    for folder, engine in engines.items():
+        engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
     partial.mkdir(parents=True, exist_ok=True)
     torch.save(dict(rank_state), partial / _rank_file(distributed.rank()))
     distributed.barrier()  # every rank's files are on disk
@@ -187,6 +203,7 @@ def save(
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         manifest = {
             "format": FORMAT, "step": step, "world_size": distributed.world_size(), "teacher_sha256": teacher_sha256,
+            "models": sorted(engines),
             "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
@@ -250,15 +267,22 @@ def latest_complete(directory: str | Path) -> Path | None:
 
 
 def load(
-    path: str | Path, engine: deepspeed.DeepSpeedEngine, *, teacher_sha256: str
+    path: str | Path, engines: Engines, *, teacher_sha256: str | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load the engine from the checkpoint at ``path``; returns (trainer state, this rank's state).
+    """Load the engines (as :func:`save` took them) from the checkpoint at ``path``; returns (trainer state,
+    this rank's state).
 
-    Every rank calls this. It refuses a checkpoint trained against another teacher or on another number of
-    ranks (each rank's data position and generators belong to its rank) before anything is loaded.
+    Every rank calls this. It refuses a checkpoint of other models, trained against another teacher or on another
+    number of ranks (each rank's data position and generators belong to its rank) before anything is loaded.
     """
-    path = Path(path)
+    path, engines = Path(path), _by_folder(engines)
     manifest = json.loads((path / MANIFEST).read_text())
+    saved_models = manifest.get("models", [DEEPSPEED_TAG])
+    if saved_models != sorted(engines):
+        raise ValueError(
+            f"checkpoint {path} holds the models {saved_models}, but this run trains {sorted(engines)} "
+            "(a single Distiller's is 'deepspeed'). Resume it with the models it was saved with."
+        )
     if manifest["teacher_sha256"] != teacher_sha256:
         raise ValueError(
             f"checkpoint {path} was trained against teacher sha256 {manifest['teacher_sha256']}, but this run's "
@@ -271,9 +295,10 @@ def load(
             f"{distributed.world_size()}. Resume on {manifest['world_size']} ranks: each rank's data position "
             "and random generators are its own."
         )
-    loaded, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG)
-    if loaded is None:
-        raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / DEEPSPEED_TAG}")
+    for folder, engine in engines.items():
+        loaded, _ = engine.load_checkpoint(str(path), tag=folder)
+        if loaded is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     rank_state = torch.load(path / _rank_file(distributed.rank()), weights_only=False)
     return trainer_state, rank_state

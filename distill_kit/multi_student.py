@@ -9,32 +9,38 @@ export; so its hooks (``student_forward``, ``compute_loss``, ``student_step``) a
     teacher_out = self.teacher_forward(batch)                  # once, ZeRO-3 shards
     for student in self.students.values():
         student.student_step(batch, teacher_out)               # forward, loss, backward, step
+
+The loop around it is the Distiller's (:class:`~distill_kit.training_loop.Trainer`): records ``<name>/loss``,
+``<name>/<part>``, ``<name>/lr``; one checkpoint of the whole group (each student's engine in ``step_N/<name>``,
+one manifest, the shared step, history, random generators and data position); ``resume()``, signals and
+non-finite steps as for one student.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
-from distill_kit import deepspeed_config, distributed, engines, evaluation, export, group_loop, models
+from distill_kit import deepspeed_config, distributed, engines, evaluation, export, models
 from distill_kit.config import TrainingConfig
 from distill_kit.deepspeed_config import TrainedConfig
 from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
 from distill_kit.models import ModelSource
 from distill_kit.student_spec import StudentSpec, student_specs
+from distill_kit.training_loop import Trainer
 from losses import DistillationLoss, LossOutput, build_loss
 
 
-class MultiStudentDistiller:
+class MultiStudentDistiller(Trainer):
     """N students of one teacher, trained together on the same micro-batches.
 
     ``students`` are :class:`StudentSpec`s or plain dicts with the same keys (a run config's
     ``students: [...]``). A student without its own ``ds_config`` takes ``student_ds_config``;
-    ``student_ds_overrides`` apply to every student, under each one's own ``ds_overrides``.
+    ``student_ds_overrides`` apply to every student, under each one's own ``ds_overrides``. The run's state
+    (``step``, ``history``, ``stopped_by``, checkpoints) is the group's; its students' hooks do the work.
     """
 
     def __init__(
@@ -48,9 +54,7 @@ class MultiStudentDistiller:
         student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
     ):
-        self.training = training or TrainingConfig()
-        self.device = distributed.init()
-        transformers.set_seed(self.training.seed)
+        super().__init__(training)
         specs = student_specs(students)
         teacher_facts = models.facts(teacher)
         student_facts = {spec.name: models.facts(spec.model) for spec in specs}
@@ -81,9 +85,8 @@ class MultiStudentDistiller:
                                  **requests[spec.name])
             for spec in specs
         }
-        self.data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # what train() reads, and where
 
-    # ---- the step --------------------------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------------------------
 
     def teacher_forward(self, batch: Batch) -> Any:
         """The teacher once, with hidden states or attention maps when any student's loss needs them."""
@@ -96,32 +99,21 @@ class MultiStudentDistiller:
     def training_step(self, batch: Batch) -> dict[str, LossOutput]:
         """One micro-batch: the teacher's forward, then every student's half of the single-student step.
 
-        A non-finite loss stops the run on every rank, naming the students; the student step has already
-        made DeepSpeed discard that student's update (``Distiller.student_step``), so no weight is touched.
+        A non-finite loss makes DeepSpeed discard that student's update (``Distiller.student_step``); the loop
+        skips the step when every student discarded it, and stops naming them when only some did.
         """
         teacher_out = self.teacher_forward(batch)
-        losses = {name: student.student_step(batch, teacher_out) for name, student in self.students.items()}
-        group_loop.check_finite(losses, self.step, self.device)
-        return losses
+        return {name: student.student_step(batch, teacher_out) for name, student in self.students.items()}
 
-    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
-        """Train every student to step ``until`` (default ``training.max_steps``); one record per step."""
-        return group_loop.train_group(self, batches, until)
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps taken; every student has taken the same."""
-        return next(iter(self.students.values())).step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        for student in self.students.values():
-            student.step = value
+    # ---- the loop (training_loop.Trainer) ----------------------------------------------------------------
 
     def engines(self) -> dict[str, Any]:
         return {name: student.student for name, student in self.students.items()}
 
-    # ---- evaluation, checkpoints, export -------------------------------------------------------------
+    def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
+        return self.training_step(batch)
+
+    # ---- evaluation and export ---------------------------------------------------------------------------
 
     def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
         """``{"teacher": {...}, <name>: {...}}``: perplexities, top-1 agreement and KL; one teacher pass per batch."""
@@ -133,21 +125,6 @@ class MultiStudentDistiller:
         finally:
             for engine in self.engines().values():
                 engine.train()
-
-    def save(self, directory: str | Path) -> None:
-        """Each student's own resumable DeepSpeed checkpoint, in ``<directory>/<name>``."""
-        for name, student in self.students.items():
-            student.save(Path(directory) / name)
-
-    def load(self, directory: str | Path) -> None:
-        """Each student from ``<directory>/<name>``; they must all be at the same step to train on together."""
-        for name, student in self.students.items():
-            student.load(Path(directory) / name)
-        self.data = None  # the next train() reads the data it is given from its start
-        steps = {name: student.step for name, student in self.students.items()}
-        if len(set(steps.values())) > 1:
-            raise ValueError(f"the students' checkpoints in {str(directory)!r} are at different steps {steps}; "
-                             "save them together (MultiStudentDistiller.save) to resume them together")
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
         """Each bare student as a Hugging Face model directory, ``<directory>/<name>``."""

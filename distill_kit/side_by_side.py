@@ -11,29 +11,31 @@ each other (deep mutual learning, ``losses/mutual.py``)::
     for name, loss in losses.items(): engine.backward(loss.total); engine.step()
 
 All forwards come before any loss, so a mutual loss reads every peer at the same weights (the
-simultaneous-update form of mutual learning); the cost is N models' activations alive at once.
+simultaneous-update form of mutual learning); the cost is N models' activations alive at once. The loop around
+the step, its records, checkpoints (each model's engine in ``step_N/<name>``, one manifest), ``resume()``,
+signals and non-finite steps are the Distiller's (:class:`~distill_kit.training_loop.Trainer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
-from distill_kit import deepspeed_config, distributed, engines, export, group_loop
+from distill_kit import deepspeed_config, distributed, engines, export, nonfinite
 from distill_kit import models as loading
 from distill_kit.config import TrainingConfig
 from distill_kit.deepspeed_config import TrainedConfig
 from distill_kit.distiller import CONFIG_DIR, Batch
 from distill_kit.student_spec import StudentSpec, student_specs
+from distill_kit.training_loop import Trainer
 from losses import DistillationLoss, LossOutput, build_loss
 
 
-class SideBySide:
+class SideBySide(Trainer):
     """N models trained together without a teacher, each its own engine; ``models`` as in
     :class:`~distill_kit.multi_student.MultiStudentDistiller`'s ``students``."""
 
@@ -45,9 +47,7 @@ class SideBySide:
         ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
         ds_overrides: Mapping[str, Any] | None = None,
     ):
-        self.training = training or TrainingConfig()
-        self.device = distributed.init()
-        transformers.set_seed(self.training.seed)
+        super().__init__(training)
         specs = student_specs(models)
         facts = {spec.name: loading.facts(spec.model) for spec in specs}
         configs, _ = deepspeed_config.prepare_group(
@@ -72,10 +72,8 @@ class SideBySide:
             loss, config = self.losses[spec.name], configs[spec.name]
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
             self.models[spec.name] = engines.build_student(model, loss, config)
-        self.step = 0
-        self.data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # what train() reads, and where
 
-    # ---- the hooks -------------------------------------------------------------------------------------
+    # ---- the hooks ---------------------------------------------------------------------------------------
 
     def model_inputs(self, name: str, batch: Batch) -> dict[str, Any]:
         """What model ``name`` is called with: no labels, and only the outputs its loss asks for."""
@@ -98,46 +96,31 @@ class SideBySide:
         return self.losses[name](output, peers, batch)
 
     def training_step(self, batch: Batch) -> dict[str, LossOutput]:
-        """One micro-batch for every model: all forwards, all losses, then each model's backward and step."""
+        """One micro-batch for every model: all forwards, all losses, then each model's backward and step.
+
+        A non-finite loss makes DeepSpeed discard that model's update; the loop skips the step when every model
+        discarded it, and stops naming them when only some did.
+        """
         outputs = {name: self.forward(name, batch) for name in self.models}
         losses = {name: self.compute_loss(name, out, self.peers(outputs, name), batch) for name, out in outputs.items()}
-        group_loop.check_finite(losses, self.step, self.device)
         for name, loss in losses.items():
-            self.models[name].backward(loss.total)
+            self.models[name].backward(nonfinite.poison_if_not_finite(loss.total))
             self.models[name].step()
         return losses
 
-    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
-        """Train every model to step ``until`` (default ``training.max_steps``); one record per step."""
-        return group_loop.train_group(self, batches, until)
+    # ---- the loop (training_loop.Trainer) ----------------------------------------------------------------
 
     def engines(self) -> dict[str, Any]:
         return self.models
 
-    # ---- checkpoints and export ----------------------------------------------------------------------
+    def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
+        return self.training_step(batch)
+
+    # ---- export ------------------------------------------------------------------------------------------
 
     def module(self, name: str) -> nn.Module:
         """The bare model ``name`` (no engine, no loss parameters), e.g. for export."""
         return self.models[name].module.student
-
-    def save(self, directory: str | Path) -> None:
-        """Each model's own resumable DeepSpeed checkpoint, in ``<directory>/<name>``."""
-        for name, engine in self.models.items():
-            engine.save_checkpoint(str(Path(directory) / name), client_state={"step": self.step})
-
-    def load(self, directory: str | Path) -> None:
-        """Each model from ``<directory>/<name>``, all at the step they were saved at together."""
-        steps = {}
-        for name, engine in self.models.items():
-            _, client_state = engine.load_checkpoint(str(Path(directory) / name))
-            if client_state is None:
-                raise FileNotFoundError(f"no DeepSpeed checkpoint of model {name!r} in {str(Path(directory) / name)!r}")
-            steps[name] = client_state["step"]
-        if len(set(steps.values())) > 1:
-            raise ValueError(f"the models' checkpoints in {str(directory)!r} are at different steps {steps}; "
-                             "save them together (SideBySide.save) to resume them together")
-        self.step = next(iter(steps.values()))
-        self.data = None  # the next train() reads the data it is given from its start
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
         """Each bare model as a Hugging Face model directory, ``<directory>/<name>``."""

@@ -55,7 +55,8 @@ def test_grouped_configs_fill_each_lr_and_need_no_teacher():
     )
     assert teacher is None
     assert [configs[k]["optimizer"]["params"]["lr"] for k in "ab"] == [1e-3, 5e-4]
-    assert configs["b"]["zero_optimization"]["reduce_bucket_size"] == 48 * 48
+    # Below ZeRO-3 the bucket is DeepSpeed's default (5e8, measured faster than hidden²), whatever each model's width.
+    assert [configs[k]["zero_optimization"]["reduce_bucket_size"] for k in "ab"] == [int(5e8)] * 2
 
 
 def _outputs(seed: int, requires_grad: bool = False) -> SimpleNamespace:

@@ -18,7 +18,7 @@ from torch import nn
 
 from distill_kit import TrainingConfig, checkpoint
 from distill_kit.distiller import check_vocabularies
-from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
+from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, all_or_none, poison_if_not_finite
 from distill_kit.preemption import StopRequest
 
 HASH = "a" * 64
@@ -97,6 +97,28 @@ def test_load_refuses_another_teacher_or_world_size_before_touching_the_engine(t
     assert engine.loaded_from == path / "deepspeed"
 
 
+def test_a_group_checkpoint_keeps_each_engine_in_its_folder_under_one_manifest(tmp_path):
+    group = {"small": FakeEngine(b"s"), "big": FakeEngine(b"b")}
+    path = checkpoint.save(tmp_path, group, step=2, trainer_state={"step": 2}, rank_state={"data": 2},
+                           teacher_sha256=None, keep_last=1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["models"] == ["big", "small"] and manifest["teacher_sha256"] is None
+    assert set(manifest["files"]) == {"big/model_states.pt", "small/model_states.pt", "rank00000.pt",
+                                      "trainer_state.json"}
+    loaded = {"small": FakeEngine(), "big": FakeEngine()}
+    assert checkpoint.load(path, loaded, teacher_sha256=None)[0] == {"step": 2}
+    assert loaded["big"].loaded_from == path / "big" and loaded["small"].loaded_from == path / "small"
+    other = {"small": FakeEngine(), "tiny": FakeEngine()}
+    with pytest.raises(ValueError, match=r"models \['big', 'small'\], but this run trains \['small', 'tiny'\]"):
+        checkpoint.load(path, other, teacher_sha256=None)
+    with pytest.raises(ValueError, match="single Distiller's is 'deepspeed'"):
+        checkpoint.load(path, FakeEngine(), teacher_sha256=None)
+    assert all(engine.loaded_from is None for engine in other.values())
+    with pytest.raises(ValueError, match=r"models named \['manifest.json'\] would clash"):
+        checkpoint.save(tmp_path, {"manifest.json": FakeEngine()}, step=3, trainer_state={}, rank_state={},
+                        teacher_sha256=None, keep_last=1)
+
+
 def test_output_dir_guard(tmp_path):
     run = {"teacher": "t", "training": {"lr": 1e-3, "max_steps": 10}}
     out = tmp_path / "out"
@@ -158,6 +180,15 @@ def test_non_finite_steps_are_counted_then_stop_the_run_naming_step_and_part():
     assert not scaled.counts(1, {"loss": 1.0}, applied=False) and scaled.skipped == 0
     with pytest.raises(NonFiniteError, match="step 5: non-finite loss .* the optimizer step was taken anyway"):
         NonFiniteSteps(stop_after=3).counts(5, {"loss": float("nan")}, applied=True)  # e.g. ZeRO stage 0, fp32
+
+
+def test_a_group_skips_a_step_only_when_every_model_discarded_it():
+    record = {"small/loss": 1.0, "big/loss": float("nan"), "big/kl": float("nan")}
+    assert all_or_none(4, {"small": True, "big": True}, record)
+    assert not all_or_none(4, {"small": False, "big": False}, record)
+    with pytest.raises(NonFiniteError, match=r"step 4: models \['big'\] discarded their optimizer step \(non-finite "
+                                             r"big/kl, big/loss on at least one rank\) while \['small'\] took theirs"):
+        all_or_none(4, {"small": True, "big": False}, record)
 
 
 def test_a_signal_becomes_a_request_and_a_second_one_interrupts():

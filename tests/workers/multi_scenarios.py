@@ -7,6 +7,8 @@ One launch runs every scenario (each launch pays DeepSpeed's start-up). Each wri
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,8 +24,10 @@ from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
 from distill_kit.multi_student import MultiStudentDistiller  # noqa: E402
+from distill_kit.nonfinite import NonFiniteError  # noqa: E402
 from distill_kit.side_by_side import SideBySide  # noqa: E402
 from distill_kit.student_spec import StudentSpec  # noqa: E402
+from losses import LossOutput  # noqa: E402
 
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
@@ -52,16 +56,39 @@ def write(out: Path, name: str, result: dict) -> None:
     (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
+class Preempted(MultiStudentDistiller):
+    """Sends this process SIGTERM inside the teacher forward of step ``sigterm_at``."""
+
+    sigterm_at: int | None = None
+
+    def teacher_forward(self, batch):
+        if self.sigterm_at == self.step + 1:
+            self.sigterm_at = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().teacher_forward(batch)
+
+
+class Poisoned(SideBySide):
+    """A NaN loss for the models a micro-batch's ``poison`` names."""
+
+    def compute_loss(self, name, output, peers, batch):
+        loss = super().compute_loss(name, output, peers, batch)
+        return LossOutput(loss.total * float("nan"), loss.parts) if name in batch.get("poison", ()) else loss
+
+
+def per_model(history: list[dict], key: str) -> list[list[float]]:
+    return [[record[f"{name}/{key}"] for name in ("small", "big")] for record in history]
+
+
 def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     """Two students (sizes, losses, lrs differ) of one teacher vs two single-student Distillers; then the
-    shared run's checkpoints resume separately, its export loads, its evaluation runs the teacher once."""
+    shared run stopped by SIGTERM resumes exactly, its export loads, its evaluation runs the teacher once."""
     data = random_batches(STEPS * GAS, MBS, LENGTH, seed=10 + distributed.rank())
     specs = [StudentSpec("small", students["small"]),
              {"name": "big", "model": students["big"], "loss": MIXED, "lr": 2e-3}]
     multi = MultiStudentDistiller(teacher, specs, training=TRAINING)
     teacher_calls = count_forwards(multi.teacher)
     history = multi.train(data, until=STEPS - 1)
-    multi.save(out / "ckpt")
     history += multi.train(data)  # the same data reads on from step STEPS - 1
     train_calls = teacher_calls[0]
     final = {name: gathered(s.student_model) for name, s in multi.students.items()}
@@ -71,12 +98,26 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     eval_calls = teacher_calls[0] - train_calls
     exported = multi.export(out / "export")
 
-    resumed = MultiStudentDistiller(teacher, specs, training=TRAINING)
-    resumed.load(out / "ckpt")
+    # SIGTERM on the last rank inside step 3; a checkpoint every 2 steps. Resumed by a new group from the
+    # signal's checkpoint (resume()), and by another from the periodic one (load(step_2)): both end as `multi`.
+    training = replace(TRAINING, checkpoint_dir=str(out / "group_ckpt"), save_every=2, keep_checkpoints=3)
+    interrupted = Preempted(teacher, specs, training=training)
+    if distributed.rank() == distributed.world_size() - 1:
+        interrupted.sigterm_at = 3
+    interrupted.train(data)
+    ckpt = Path(training.checkpoint_dir)
+    stopped = {"by": interrupted.stopped_by, "step": interrupted.step,
+               "checkpoints": sorted(p.name for p in ckpt.iterdir()),
+               "files": sorted(p.name for p in (ckpt / "step_00000003").iterdir())}
+    del interrupted
+    resumed = MultiStudentDistiller(teacher, specs, training=training)
+    resumed_from = resumed.resume()
     resumed_step = resumed.step
-    resumed.train(data[(STEPS - 1) * GAS:])
-    big_alone_loaded = Distiller(students["big"], teacher, loss=MIXED, training=replace(TRAINING, lr=2e-3))
-    big_alone_loaded.load(out / "ckpt/big")
+    resumed.train(data)  # given whole: the checkpoint's data position skips what steps 1-3 read
+    periodic = MultiStudentDistiller(teacher, specs, training=TRAINING)
+    periodic.load(ckpt / "step_00000002")
+    periodic_step = periodic.step
+    periodic.train(data)
 
     separate, separate_calls, lrs = {}, 0, {}
     for name, loss, lr in (("small", "forward_kl", TRAINING.lr), ("big", MIXED, 2e-3)):
@@ -95,17 +136,20 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
         "eval_teacher_forwards": eval_calls, "eval_batches": len(eval_batches), "eval_keys": sorted(report),
         "lr_and_last_losses": lrs,
         "history_keys": sorted(history[0]),
-        "resumed_step": resumed_step,
+        "stopped": stopped, "resumed_from": resumed_from.name, "resumed_step": resumed_step,
+        "periodic_step": periodic_step,
+        "losses": per_model(multi.history, "loss"), "lrs": per_model(multi.history, "lr"),
+        "resumed_losses": per_model(resumed.history, "loss"), "resumed_lrs": per_model(resumed.history, "lr"),
+        "periodic_losses": per_model(periodic.history, "loss"),
         "resumed_diff": {n: max_diff(final[n], gathered(s.student_model)) for n, s in resumed.students.items()},
-        "checkpoint_dirs": sorted(p.name for p in (out / "ckpt").iterdir()),
-        "alone_loads_its_checkpoint": big_alone_loaded.step,
+        "periodic_diff": {n: max_diff(final[n], gathered(s.student_model)) for n, s in periodic.students.items()},
         "export_diff": {n: max_diff(final[n], gathered(GPT2LMHeadModel.from_pretrained(exported[n])))
                         for n in final},
     })
 
 
 def side_by_side(out: Path, students: dict[str, Path]) -> None:
-    """Two models without a teacher vs each trained alone; mutual learning; per-model checkpoints."""
+    """Two models without a teacher vs each trained alone; mutual learning; a group checkpoint; NaN steps."""
     data = random_batches(STEPS * GAS, MBS, LENGTH, seed=20 + distributed.rank())
     specs = [StudentSpec("small", students["small"], "cross_entropy"),
              StudentSpec("big", students["big"], "cross_entropy", lr=2e-3)]
@@ -130,6 +174,18 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
         refusal = ""
     except ValueError as err:
         refusal = str(err)
+
+    # Step 2: both models' losses NaN (on rank 0 only): skipped together. Step 3 (attempted as step 2 again):
+    # only big's (on the last rank): the models disagree, and the run stops naming big.
+    poisoned = [dict(batch) for batch in data]
+    poisoned[1 * GAS] |= {"poison": ("small", "big")} if distributed.rank() == 0 else {}
+    poisoned[2 * GAS + 1] |= {"poison": ("big",)} if distributed.rank() == distributed.world_size() - 1 else {}
+    faulty = Poisoned(specs, training=TRAINING)
+    try:
+        faulty.train(poisoned)
+        disagreement = ""
+    except NonFiniteError as err:
+        disagreement = str(err)
     initial = {name: gathered(GPT2LMHeadModel.from_pretrained(path)) for name, path in students.items()}
     write(out, "side_by_side", {
         "max_param_diff": {n: max_diff(params[n], alone[n]) for n in params},
@@ -138,10 +194,12 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
         "reloaded_step": reloaded.step,
         "reloaded_diff": {n: max_diff(params[n], gathered(reloaded.module(n))) for n in params},
         "checkpoint_dirs": sorted(p.name for p in (out / "sbs_ckpt").iterdir()),
+        "checkpoint_files": sorted(p.name for p in (out / "sbs_ckpt/step_00000004").iterdir()),
         "mutual_parts": sorted(mutual_history[0]),
         "mutual_kl": [h["small/mutual_kl"] for h in mutual_history],
         "mutual_vs_alone": {n: max_diff(mutual_params[n], alone[n]) for n in params},
         "refusal": refusal,
+        "disagreement": disagreement, "poisoned_history": [[h["step"], h["skipped_steps"]] for h in faulty.history],
     })
 
 

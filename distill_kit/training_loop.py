@@ -1,0 +1,275 @@
+"""The training loop, written once: for the Distiller (one student) and for groups of models stepping together.
+
+A trainer supplies its models and one micro-batch of their work, each by name::
+
+    engines()            -> {name: DeepSpeed engine}
+    micro_batch(batch)   -> {name: LossOutput}        # forwards, losses, backwards, engine steps
+
+and :class:`Trainer` does everything around them: gradient accumulation and the step's token normaliser, one log
+record per optimizer step (each part the mean over the step's micro-batches and all ranks), non-finite steps
+(``nonfinite.py``), a checkpoint every ``training.save_every`` steps and exact resume (``checkpoint.py``: every
+engine, the step, the history, each rank's random generators and data position), and SIGTERM/SIGINT
+(``preemption.py``).
+
+The :class:`~distill_kit.distiller.Distiller`'s one model has the empty name: its records read ``step, loss,
+<part>, lr, skipped_steps`` and its checkpoint keeps the engine in ``step_N/deepspeed``. A group's models
+(:class:`~distill_kit.multi_student.MultiStudentDistiller`, :class:`~distill_kit.side_by_side.SideBySide`) are
+named: records read ``<name>/loss, <name>/<part>, <name>/lr``, and a checkpoint keeps each engine in
+``step_N/<name>``, next to one manifest and the state the models share (step, history, random generators, data).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from distill_kit import checkpoint, distributed, nonfinite, preemption
+from distill_kit.config import TrainingConfig
+from losses import LossOutput
+from losses.base import valid_positions
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+
+class Trainer:
+    """The loop and the run's state (what a checkpoint keeps beyond the engines), around named engines."""
+
+    teacher: Any = None
+    """The frozen teacher, whose weights' hash every checkpoint records; None for models without one."""
+
+    def __init__(self, training: TrainingConfig | None):
+        self.training = training or TrainingConfig()
+        self.device = distributed.init()
+        transformers.set_seed(self.training.seed)
+        self.step = 0  # optimizer steps taken; the same for every model
+        self.history: list[dict[str, float]] = []  # every step's record; restored on resume, so the logs continue
+        self.micro_batches_seen = 0  # this rank's position in data that keeps none of its own
+        self.nonfinite = nonfinite.NonFiniteSteps(self.training.max_bad_steps,
+                                                  loss_scaling=self.training.dtype == "fp16")
+        self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
+        self._teacher_sha256: str | None = None
+        self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
+        self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
+        self._saved_at: tuple[int, int] | None = None
+
+    # ---- what a trainer supplies -------------------------------------------------------------------------
+
+    def engines(self) -> Mapping[str, Any]:
+        """Each trained model's DeepSpeed engine by name (the Distiller's one student: the empty name)."""
+        raise NotImplementedError
+
+    def micro_batch(self, batch: Batch) -> Mapping[str, LossOutput]:
+        """One micro-batch for every model: forwards, losses, backwards and engine steps; each loss by name."""
+        raise NotImplementedError
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
+        """Run until optimizer step ``until`` (default ``training.max_steps``); one log record per step.
+
+        ``batches`` yields this rank's micro-batches. Every rank must yield the same number (the ZeRO-3
+        teacher's forward is a collective); a re-iterable (a DataLoader) is read again for more epochs.
+        Calling again with a later ``until`` continues where the last call stopped (evaluate in between).
+
+        Reliability (see ``checkpoint.py``, ``nonfinite.py``, ``preemption.py``): a checkpoint goes to
+        ``training.checkpoint_dir`` every ``training.save_every`` steps, after the last step, and when SIGTERM or
+        SIGINT reaches any rank: the step is finished, every rank saves and returns, and ``stopped_by`` names the
+        signal. A step with a NaN/inf loss or gradient is skipped on every rank (``skipped_steps`` in the records).
+        """
+        until = self.training.max_steps if until is None else min(until, self.training.max_steps)
+        engines = self.engines()
+        for engine in engines.values():
+            engine.train()
+        self.stopped_by = None
+        first = len(self.history)
+        micro_batches = self._micro_batches(batches)
+        progress = tqdm(total=until, initial=self.step, desc=type(self).__name__,
+                        disable=not distributed.is_main(), dynamic_ncols=True)
+        with preemption.StopRequest(self.device) as stop:
+            while self.step < until:
+                step_batches = [self._to_device(next(micro_batches))
+                                for _ in range(self.training.gradient_accumulation_steps)]
+                self.micro_batches_seen += len(step_batches)
+                normalizer = loss_normalizer(step_batches, self.device)
+                sums: dict[str, torch.Tensor] = {}
+                for batch in step_batches:
+                    for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
+                        for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
+                            key = _key(name, part)
+                            sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
+                means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
+                record = dict(zip(sums, means.tolist(), strict=True)) | {
+                    _key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()
+                }
+                applied = nonfinite.all_or_none(
+                    self.step + 1, {name: engine.was_step_applied() for name, engine in engines.items()}, record)
+                if self.nonfinite.counts(self.step + 1, record, applied):
+                    self.step += 1
+                    record = {"step": self.step} | record | {"skipped_steps": self.nonfinite.skipped}
+                    self.history.append(record)
+                    progress.update(1)
+                    if self.step % self.training.log_every == 0 and distributed.is_main():
+                        logger.info("step %d: %s", self.step, record)
+                    if self.training.save_every and self.step % self.training.save_every == 0:
+                        self._save_if_configured()
+                if stop.agreed():
+                    self.stopped_by = stop.received or "a signal on another rank"
+                    break
+        progress.close()
+        if self.stopped_by or self.step == self.training.max_steps:
+            self._save_if_configured()
+        return self.history[first:]
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Checkpoint everything needed to continue exactly into ``<directory>/step_<step>``, atomically.
+
+        ``directory`` defaults to ``training.checkpoint_dir``. Every rank calls it (the engines' saves are
+        collectives). Saving changes nothing that follows: each rank's random generators are put back after it.
+        """
+        directory = directory if directory is not None else self.training.checkpoint_dir
+        if directory is None:
+            raise ValueError("no checkpoint directory: pass one to save(), or set training.checkpoint_dir")
+        rng = checkpoint.capture_rng()
+        loader = self._data[0] if self._data is not None else None
+        path = checkpoint.save(
+            directory, self._checkpointed_engines(), step=self.step,
+            trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict()},
+            rank_state={"rng": rng, "micro_batches_seen": self.micro_batches_seen,
+                        "loader": loader.state_dict() if hasattr(loader, "state_dict") else None},
+            teacher_sha256=self.teacher_sha256, keep_last=self.training.keep_checkpoints,
+        )
+        checkpoint.restore_rng(rng)
+        self._saved_at = (self.step, self.micro_batches_seen)
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Continue from a checkpoint: every engine, step, history, counters, this rank's random generators, and
+        its data position (applied to the data the next ``train()`` is given).
+
+        ``path`` is one checkpoint (a ``step_N`` folder) or a directory ``save()`` wrote them to (its latest
+        complete one is loaded). A checkpoint that does not match its manifest is refused.
+        """
+        path = Path(path)
+        reason = None
+        if distributed.is_main():
+            if (path / checkpoint.MANIFEST).is_file():
+                reason = checkpoint.verify(path)
+            else:
+                found = checkpoint.latest_complete(path)
+                path, reason = (found, None) if found is not None else (path, "it holds no complete checkpoint")
+        path, reason = distributed.broadcast_object((path, reason))
+        if reason is not None:
+            raise ValueError(f"cannot load checkpoint {path}: {reason}")
+        self._load(path)
+
+    def resume(self, directory: str | Path | None = None) -> Path | None:
+        """Load the latest complete checkpoint under ``directory`` (default ``training.checkpoint_dir``).
+
+        Returns its path, or None when there is none yet (a fresh start). Incomplete or corrupt checkpoints are
+        skipped with a warning; rank 0 chooses, so every rank loads the same one.
+        """
+        directory = directory if directory is not None else self.training.checkpoint_dir
+        if directory is None:
+            raise ValueError("nothing to resume from: pass a directory to resume(), or set training.checkpoint_dir")
+        found = checkpoint.latest_complete(directory) if distributed.is_main() else None
+        found = distributed.broadcast_object(found)
+        if found is not None:
+            self._load(found)
+        return found
+
+    @property
+    def teacher_sha256(self) -> str | None:
+        """The teacher's identity stored with each checkpoint; computed once (on every rank: it gathers)."""
+        if self._teacher_sha256 is None and self.teacher is not None:
+            self._teacher_sha256 = checkpoint.teacher_fingerprint(self.teacher)
+        return self._teacher_sha256
+
+    def _checkpointed_engines(self) -> dict[str, Any]:
+        """Each engine under its folder in a checkpoint: its name, or ``deepspeed`` for the Distiller's one."""
+        return {name or checkpoint.DEEPSPEED_TAG: engine for name, engine in self.engines().items()}
+
+    def _load(self, path: Path) -> None:
+        trainer_state, rank_state = checkpoint.load(path, self._checkpointed_engines(),
+                                                    teacher_sha256=self.teacher_sha256)
+        self.step, self.history = trainer_state["step"], trainer_state["history"]
+        self.nonfinite.load_state_dict(trainer_state["nonfinite"])
+        self.micro_batches_seen = rank_state["micro_batches_seen"]
+        self._resumed_position = {"micro_batches_seen": self.micro_batches_seen, "loader": rank_state["loader"]}
+        self._data = None
+        checkpoint.restore_rng(rank_state["rng"])
+        self._saved_at = (self.step, self.micro_batches_seen)
+        if distributed.is_main():
+            logger.info("resumed from %s at step %d", path, self.step)
+
+    def _save_if_configured(self) -> None:
+        if self.training.checkpoint_dir is not None and self._saved_at != (self.step, self.micro_batches_seen):
+            self.save()
+
+    # ---- the data ----------------------------------------------------------------------------------------
+
+    def _to_device(self, batch: Mapping[str, Any]) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _micro_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """This rank's micro-batches: the same data as the last call continues its stream; other data is read
+        from where it stands, except right after a resume, when it is put at the checkpoint's position: a loader
+        with ``load_state_dict`` (``data.BlockLoader``) is given its saved state, and any other re-iterable is
+        read past the micro-batches the run had used, so a list given whole resumes exactly too.
+        """
+        if self._data is not None and self._data[0] is batches:
+            return self._data[1]
+        position, self._resumed_position = self._resumed_position, None
+        stream = _cycle(batches)
+        if position is not None and position["loader"] is not None and hasattr(batches, "load_state_dict"):
+            batches.load_state_dict(position["loader"])
+        elif position is not None:
+            stream = itertools.islice(stream, position["micro_batches_seen"], None)
+        self._data = (batches, stream)
+        return stream
+
+
+def loss_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Tensor:
+    """Valid tokens of the whole step (all micro-batches, all ranks) per micro-batch per rank.
+
+    DeepSpeed averages gradients over micro-batches and ranks; dividing each micro-batch's token sum by this
+    makes the result the exact per-token mean over the step, so neither micro-batch size nor accumulation
+    changes the loss (see ``losses/base.py``). Every model of a group divides by the same one.
+    """
+    local = sum(valid_positions(batch).sum() for batch in step_batches)
+    total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
+    return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
+
+
+def _key(name: str, part: str) -> str:
+    """A record's key: the part, under the model's name in a group."""
+    return f"{name}/{part}" if name else part
+
+
+def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """Epoch after epoch. A loader resumed at the very end of an epoch yields nothing once; two empty passes in
+    a row mean there is no data."""
+    empty_before = False
+    while True:
+        iterator = iter(batches)
+        first = next(iterator, None)
+        if first is None:
+            if empty_before or iterator is batches:
+                raise ValueError("the training data yielded no batches on this rank")
+            empty_before = True
+            continue
+        empty_before = False
+        yield first
+        yield from iterator
+        if iterator is batches:
+            raise ValueError("the training data ran out before max_steps; pass a re-iterable such as a DataLoader")
