@@ -1,17 +1,20 @@
 """Train the embedded default's teacher: a small Llama-shaped model that really knows the stdlib corpus.
 
-Run once, on a GPU (about a minute on one H200); the result is shipped in ``distill_kit/assets/default``
+Run once, on a GPU (about a minute on one H200); the result is shipped in ``distill_kit/assets/default/teacher``
 so that the default distillation needs no GPU and no network. Plain PyTorch on purpose: this is the
 teacher's recipe, not a use of the framework, and it must run where DeepSpeed is not set up.
 
     python scripts/train_teacher.py                       # corpus + tokenizer + teacher, defaults below
     python scripts/train_teacher.py --steps 50 --device cpu --out /tmp/teacher   # a smoke test
 
-Why these defaults: 256 wide x 8 layers (6.7M parameters, 13 MB in bf16) is the largest teacher
-whose forward stays cheap on 2 CPU cores (it runs live during the default distillation) and whose
-file stays small; 1,500 steps of 64 x 256 tokens is about six passes over the training split, enough
-to learn it well without memorising it (a teacher that memorised its training text gives the
-student near one-hot targets there, which teach no more than the labels).
+Why these defaults (measured on one H200, 77 s, against the 192-wide x 6-layer and 288-wide x 8-layer
+alternatives and a 3,000-step run): 256 wide x 8 layers (6.7M parameters, 13 MB in bf16) keeps the
+shipped file small and a CPU forward cheap (0.29 s for 8 x 256 tokens on 2 cores; it runs live during
+the default distillation), and reaches held-out perplexity 18.97 (17.7 at its best, near step 1,000).
+1,500 steps of 64 x 256 tokens is about six passes over the training split; at 3,000 the held-out
+perplexity climbs to 35 as the model memorises its training text (training-prefix perplexity 2.0), and
+a teacher that memorised the student's text gives near one-hot targets there, teaching no more than
+the labels.
 """
 
 from __future__ import annotations
