@@ -50,9 +50,9 @@ TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_TAG = "deepspeed"
 RUN_IDENTITY = "run_identity.json"
 FORMAT = 1
+HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
 Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
 """One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
-HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
 
 
 def checkpoint_name(step: int) -> str:

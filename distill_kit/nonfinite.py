@@ -10,8 +10,8 @@ steps for the logs and stops the run at the ``stop_after``-th in a row, naming t
 went bad. A skipped step is not a step: the step counter (and so the learning-rate schedule, which DeepSpeed
 does not advance either) stays where it was, while the data moves on past the bad batch. A student engine with
 no such check (no ZeRO, in fp32) takes the step anyway; that stops the run at once. Several models stepping
-together (a group) skip a step only when every model's engine discarded it (:func:`all_or_none`); when some took
-it and some did not, their steps no longer line up, and the run stops naming them.
+together (a group) skip a step only when every model's engine discarded it (:meth:`NonFiniteSteps.all_or_none`);
+when some took it and some did not, their steps no longer line up, and the run stops naming them.
 """
 
 from __future__ import annotations
@@ -38,27 +38,6 @@ def poison_if_not_finite(loss: torch.Tensor) -> torch.Tensor:
 
 class NonFiniteError(FloatingPointError):
     """Too many consecutive non-finite steps; the last complete checkpoint was written before them."""
-
-
-def all_or_none(step: int, applied: Mapping[str, bool], record: Mapping[str, float]) -> bool:
-    """Whether every model took optimizer step ``step`` (``applied``: each engine's ``was_step_applied()``).
-
-    Models that disagree (some discarded a non-finite step, some took it) raise :class:`NonFiniteError` naming
-    them: skipping the step would lose the takers' update, keeping it would leave the others a step behind.
-    ``record`` holds the step's all-reduced loss parts, keyed ``<name>/<part>``.
-    """
-    if len(set(applied.values())) <= 1:
-        return all(applied.values())
-    took = sorted(name for name, ok in applied.items() if ok)
-    dropped = sorted(name for name, ok in applied.items() if not ok)
-    bad = sorted(key for key, value in record.items() if not math.isfinite(value))
-    why = f"non-finite {', '.join(bad)} on at least one rank" if bad else "a non-finite gradient with a finite loss"
-    raise NonFiniteError(
-        f"step {step}: models {dropped} discarded their optimizer step ({why}) while {took} took theirs, so the "
-        "models' steps no longer line up. The last complete checkpoint is intact: resume from it with a lower "
-        f"learning rate or gradient clipping for {dropped}, or check the data for empty sequences; in fp16 one "
-        "model's loss-scale overflow does this too, so use bf16."
-    )
 
 
 @dataclass
@@ -104,6 +83,31 @@ class NonFiniteSteps:
             )
         logger.warning("step %d: %s; step skipped on every rank (%d skipped so far)", step, what, self.skipped)
         return False
+
+    def all_or_none(self, step: int, applied: Mapping[str, bool], record: Mapping[str, float]) -> bool:
+        """Whether the models of a group took optimizer step ``step`` (``applied``: each engine's
+        ``was_step_applied()``); ``record`` holds the step's all-reduced loss parts, keyed ``<name>/<part>``.
+
+        Models that disagree (some discarded a non-finite step, some took it) raise :class:`NonFiniteError` naming
+        them: skipping the step would lose the takers' update, keeping it would leave the others a step behind.
+        With fp16 loss scaling, models that discarded the step with finite losses only overflowed their loss
+        scale: the step counts, and they (as DeepSpeed does for any fp16 run) lose that one update.
+        """
+        if len(set(applied.values())) <= 1:
+            return all(applied.values())
+        took = sorted(name for name, ok in applied.items() if ok)
+        dropped = sorted(name for name, ok in applied.items() if not ok)
+        bad = sorted(key for key, value in record.items() if not math.isfinite(value))
+        if self.loss_scaling and not any(key.split("/")[0] in dropped for key in bad):
+            logger.info("step %d: fp16 loss scale overflow of %s: their update skipped, scale lowered", step, dropped)
+            return True
+        why = f"non-finite {', '.join(bad)} on at least one rank" if bad else "a non-finite gradient with a finite loss"
+        raise NonFiniteError(
+            f"step {step}: models {dropped} discarded their optimizer step ({why}) while {took} took theirs, so the "
+            "models' steps no longer line up. The last complete checkpoint is intact: resume from it with a lower "
+            f"learning rate or gradient clipping for {dropped}, check the data for empty sequences, or use bf16 "
+            "instead of fp16."
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"skipped": self.skipped, "consecutive": self.consecutive}

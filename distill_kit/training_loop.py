@@ -110,7 +110,7 @@ class Trainer:
                 record = dict(zip(sums, means.tolist(), strict=True)) | {
                     _key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()
                 }
-                applied = nonfinite.all_or_none(
+                applied = self.nonfinite.all_or_none(
                     self.step + 1, {name: engine.was_step_applied() for name, engine in engines.items()}, record)
                 if self.nonfinite.counts(self.step + 1, record, applied):
                     self.step += 1

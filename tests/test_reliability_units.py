@@ -18,7 +18,7 @@ from torch import nn
 
 from distill_kit import TrainingConfig, checkpoint
 from distill_kit.distiller import check_vocabularies
-from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, all_or_none, poison_if_not_finite
+from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
 from distill_kit.preemption import StopRequest
 
 HASH = "a" * 64
@@ -183,12 +183,21 @@ def test_non_finite_steps_are_counted_then_stop_the_run_naming_step_and_part():
 
 
 def test_a_group_skips_a_step_only_when_every_model_discarded_it():
+    guard = NonFiniteSteps(stop_after=3)
     record = {"small/loss": 1.0, "big/loss": float("nan"), "big/kl": float("nan")}
-    assert all_or_none(4, {"small": True, "big": True}, record)
-    assert not all_or_none(4, {"small": False, "big": False}, record)
+    assert guard.all_or_none(4, {"small": True, "big": True}, record)
+    assert not guard.all_or_none(4, {"small": False, "big": False}, record)
     with pytest.raises(NonFiniteError, match=r"step 4: models \['big'\] discarded their optimizer step \(non-finite "
                                              r"big/kl, big/loss on at least one rank\) while \['small'\] took theirs"):
-        all_or_none(4, {"small": True, "big": False}, record)
+        guard.all_or_none(4, {"small": True, "big": False}, record)
+    finite = {"small/loss": 1.0, "big/loss": 2.0}
+    with pytest.raises(NonFiniteError, match="a non-finite gradient with a finite loss"):
+        guard.all_or_none(4, {"small": True, "big": False}, finite)
+    # fp16: a model's loss-scale overflow (finite loss) drops only its update; a NaN loss still stops the run
+    scaled = NonFiniteSteps(stop_after=3, loss_scaling=True)
+    assert scaled.all_or_none(4, {"small": True, "big": False}, finite)
+    with pytest.raises(NonFiniteError, match=r"models \['big'\] discarded"):
+        scaled.all_or_none(4, {"small": True, "big": False}, record)
 
 
 def test_a_signal_becomes_a_request_and_a_second_one_interrupts():
