@@ -4,7 +4,7 @@ Token selection and normalisation live here, once, so that no loss can get them 
 
 * Position ``t`` of a causal LM predicts token ``t + 1``; a position counts when the next label is not
   ``-100`` (padding and prompt tokens are marked that way by the data pipeline).
-* A loss is a *sum* over counted positions divided by ``batch["loss_normalizer"]``. The Distiller sets
+* A loss is a *sum* over counted positions divided by ``batch["loss_normalizer"]``. The training loop sets
   that to (valid tokens in the whole optimizer step, over all micro-batches and ranks) divided by
   (micro-batches x ranks), which cancels DeepSpeed's mean over micro-batches and ranks. The result is
   the per-token mean over the whole accumulated batch, whatever the micro-batch size or accumulation.
