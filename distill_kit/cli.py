@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit import data, distributed, report, run_config
+from distill_kit import checkpoint, data, distributed, report, run_config
 from distill_kit.corpus import write_corpus
 from distill_kit.models import check_tokenizers
 from distill_kit.multi_student import MultiStudentDistiller
 from distill_kit.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.run_log import RunLog
 from distill_kit.student_spec import StudentSpec
 
 logger = logging.getLogger("distill_kit")
@@ -74,25 +75,62 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
     return StudentSpec(model=str(path), **spec)
 
 
-def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader) -> dict[str, Any]:
-    """Train every student on the same batches, one teacher pass per batch; evaluate every ``eval.every``."""
+# Settings that may change when a run is resumed; everything else must match the run in output_dir.
+RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "training.max_steps", "training.log_every",
+                     "training.save_every", "training.keep_checkpoints", "training.checkpoint_dir")
+
+
+def run_identity(config: RunConfig) -> dict[str, Any]:
+    identity = run_config.to_dict(config)
+    for dotted in RESUMABLE_CHANGES:
+        *parents, leaf = dotted.split(".")
+        node = identity
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return identity
+
+
+def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
+    """Fix the output folder (a new dated one by default; rank 0 picks it) and checkpoint into it."""
+    output_dir = config.output_dir
+    if output_dir is None:
+        if resume:
+            raise ConfigError("--resume needs the run's folder: --output_dir runs/<the run>")
+        output_dir = distributed.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
+    training = config.training
+    if training.checkpoint_dir is None:
+        training = dataclasses.replace(training, checkpoint_dir=str(Path(output_dir) / "checkpoints"))
+    return dataclasses.replace(config, output_dir=output_dir, training=training)
+
+
+def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
+                   log: RunLog) -> bool:
+    """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps; False if a signal
+    stopped the run (its checkpoint is saved; ``--resume`` continues it)."""
     every = config.eval.every or config.training.max_steps
-    records, evaluations = [], []
-    for until in range(every, config.training.max_steps + every, every):
-        records += students.train(train_loader, until=until)
-        evaluations.append({"step": students.step, "metrics": students.evaluate(eval_loader, config.eval.max_batches)})
-    histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in records] for s in config.students}
-    return {"histories": histories, "evaluations": evaluations, "records": records}
+    first = (students.step // every + 1) * every
+    for until in range(first, config.training.max_steps + every, every):
+        for record in students.train(train_loader, until=until):
+            log.step(record)
+        if students.stopped_by:
+            return False
+        log.evaluation(students.step, students.evaluate(eval_loader, config.eval.max_batches))
+    return True
 
 
-def run(config: RunConfig) -> dict[str, Any]:
-    """The whole job; returns the report's summary (on every rank)."""
+def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
+    """The whole job; returns the report's summary on every rank (None when a signal stopped it)."""
     started = time.time()
     distributed.init()
+    config = with_output_dir(config, resume)
     out = Path(config.output_dir)
     for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
         if path is not None and _looks_local(path) and not Path(path).is_dir():
             raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
+    if distributed.is_main():
+        checkpoint.check_output_dir(out, run_identity(config), resume=resume)
+    _barrier()
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
@@ -106,15 +144,26 @@ def run(config: RunConfig) -> dict[str, Any]:
         teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
         student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
     )
-    trained = train_students(config, students, train_loader, eval_loader)
+    resumed = students.resume() if resume else None
+    log = RunLog(out, resumed_at=students.step if resumed else None)
+    if resume and resumed is None and distributed.is_main():
+        logger.warning("--resume: no complete checkpoint in %s yet; starting from step 0", out / "checkpoints")
+    finished = train_students(config, students, train_loader, eval_loader, log)
+    log.close()
+    if not finished:
+        if distributed.is_main():
+            print(f"stopped by {students.stopped_by} at step {students.step}; checkpoint saved. "
+                  f"Continue with: --output_dir {out} --resume")
+        return None
     students.export(out / "students", tokenizer)
     summary: list[Any] = [None]
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
+        histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
+                     for s in config.students}
         extra = {"seconds": time.time() - started, "world_size": world,
                  "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
-        summary = [report.write(out, run_config.to_dict(config), losses, trained["histories"],
-                                trained["evaluations"], extra)]
+        summary = [report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)]
         print(report.table(summary[0]))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     if world > 1:
@@ -135,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("--config needs a file: --config path/to/run.yaml")
         config_file = args[i + 1]
         del args[i:i + 2]
+    resume = "--resume" in args
+    if resume:
+        args.remove("--resume")
     if "--print-config" in args:
         args.remove("--print-config")
         print_config = True
@@ -146,7 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(run_config.dump(config))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    summary = run(config)
-    if distributed.is_main():
+    try:
+        summary = run(config, resume=resume)
+    except ConfigError as err:
+        raise SystemExit(f"config error: {err}") from None
+    if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"], indent=2))
     return 0

@@ -91,8 +91,8 @@ class RunConfig:
     teacher_ds_overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted DeepSpeed keys written into the teacher's config,
     e.g. {zero_optimization.stage3_prefetch_bucket_size: 5e8}."""
-    output_dir: str = "runs/default"
-    """Checkpoints, exported students, logs and the report go here."""
+    output_dir: str | None = None
+    """Checkpoints, exported students, logs and the report go here; None: a new runs/<date>-<time>."""
     cache_dir: str = ".cache"
     """Prepared corpora and other one-time work, reused by later runs."""
 
@@ -135,7 +135,7 @@ def help_text() -> str:
         "",
         "  --config FILE      a YAML or JSON run config (its keys are the ones below)",
         "  --print-config     print the resolved config as YAML and exit",
-        "  --resume           continue from the latest complete checkpoint in output_dir",
+        "  --resume           continue the run in output_dir from its latest complete checkpoint",
         "",
         "Config keys (override any as --key value; lists and dicts in YAML syntax):",
     ]

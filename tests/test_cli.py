@@ -89,6 +89,21 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
         # The exported student reloads and reproduces the perplexity measured on the model in training.
         exported = _heldout_perplexity(out / "students" / name, tiny)
         assert exported == pytest.approx(students[name]["perplexity"], rel=1e-4)
+    assert [r["step"] for r in _jsonl(out / "train.jsonl")] == list(range(1, 7))
+    if ranks:
+        return
+    # The same folder again: refused without --resume; with it, the run continues from its last checkpoint.
+    again = _cli(*_run_args(tiny, out), "training.max_steps=9")
+    assert again.returncode != 0 and "holds checkpoints of this run: resume it (--resume)" in again.stderr
+    run_ranks(SCRIPT, [*_run_args(tiny, out), "training.max_steps=9", "--resume"], nprocs=0)
+    assert [r["step"] for r in _jsonl(out / "train.jsonl")] == list(range(1, 10))
+    assert [e["step"] for e in json.loads((out / "report.json").read_text())["evaluations"]] == [3, 6, 9]
+    other = _cli(*_run_args(tiny, out), "training.lr=1e-2", "--resume")
+    assert other.returncode != 0 and "holds another run (training.lr: 0.003 -> 0.01)" in other.stderr
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_help_lists_every_field():
