@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit import checkpoint, data, distributed, report, run_config
+from distill_kit import checkpoint, data, distributed, preemption, report, run_config
 from distill_kit.corpus import write_corpus
 from distill_kit.models import check_tokenizers
 from distill_kit.multi_student import MultiStudentDistiller
@@ -106,16 +106,28 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
 
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
-    """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps; False if a signal
-    stopped the run (its checkpoint is saved; ``--resume`` continues it)."""
+    """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
+
+    Returns False when SIGTERM/SIGINT stopped the run: during training the step finishes and every rank saves
+    (inside ``train``); during an evaluation, every rank saves right after it. ``--resume`` continues either.
+    A resumed run trains only the rest and evaluates only where no evaluation was logged yet.
+    """
     every = config.eval.every or config.training.max_steps
-    first = (students.step // every + 1) * every
-    for until in range(first, config.training.max_steps + every, every):
-        for record in students.train(train_loader, until=until):
-            log.step(record)
-        if students.stopped_by:
-            return False
-        log.evaluation(students.step, students.evaluate(eval_loader, config.eval.max_batches))
+    evaluated = {e["step"] for e in log.evaluations()}
+    students.on_record = log.step
+    with preemption.StopRequest(students.device) as stop:
+        for until in sorted({*range(every, config.training.max_steps, every), config.training.max_steps}):
+            if until < students.step:
+                continue
+            students.train(train_loader, until=until)
+            if students.stopped_by:
+                return False
+            if until not in evaluated:
+                log.evaluation(students.step, students.evaluate(eval_loader, config.eval.max_batches))
+            if stop.agreed():
+                students.save()
+                students.stopped_by = stop.received or "a signal on another rank"
+                return False
     return True
 
 

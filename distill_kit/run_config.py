@@ -33,6 +33,13 @@ CONFIG_DIR = PACKAGE_DIR.parent / "configs"
 STDLIB_CORPUS = "stdlib"
 
 
+# The embedded default's student: the shipped teacher's Llama shape, ~7x smaller (0.94M parameters). With
+# 512 training blocks (3% of the corpus: distillation helps most where data is scarce) seen ~6 times,
+# it measured held-out perplexity 191 distilled against 284 without the teacher (teacher: 17.7).
+DEFAULT_STUDENT_INIT = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
+                        "num_key_value_heads": 2, "intermediate_size": 352, "tie_word_embeddings": True}
+
+
 class ConfigError(ValueError):
     """A run config that cannot run; the message names the key and the fix."""
 
@@ -75,13 +82,18 @@ class RunConfig:
     """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
-    students: tuple[StudentConfig, ...] = (StudentConfig(),)
+    students: tuple[StudentConfig, ...] = (
+        StudentConfig(name="distilled", init=DEFAULT_STUDENT_INIT, loss="forward_kl"),
+        StudentConfig(name="no_teacher", init=DEFAULT_STUDENT_INIT, loss="cross_entropy"),
+    )
     """The students trained together on the same batches, each its own DeepSpeed engine."""
-    data: DataConfig = field(default_factory=lambda: DataConfig(train=STDLIB_CORPUS))
+    data: DataConfig = field(default_factory=lambda: DataConfig(
+        train=STDLIB_CORPUS, block_size=256, max_train_blocks=512, max_heldout_blocks=128))
     """Training and held-out text. data.train 'stdlib' is this Python's standard library sources."""
-    training: TrainingConfig = field(default_factory=TrainingConfig)
+    training: TrainingConfig = field(default_factory=lambda: TrainingConfig(
+        max_steps=400, micro_batch_size=8, lr=3e-3, betas=(0.9, 0.95), warmup_steps=20))
     """Optimizer steps, batch, learning rate, precision; every "auto" in the DeepSpeed configs comes from here."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=100))
     student_ds_config: str = str(CONFIG_DIR / "zero2_student.json")
     """The students' DeepSpeed config (JSON/HJSON, "auto" allowed)."""
     teacher_ds_config: str = str(CONFIG_DIR / "zero3_teacher.json")

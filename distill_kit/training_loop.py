@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ class Trainer:
         self.nonfinite = nonfinite.NonFiniteSteps(self.training.max_bad_steps,
                                                   loss_scaling=self.training.dtype == "fp16")
         self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
+        self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
         self._teacher_sha256: str | None = None
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
@@ -100,6 +102,7 @@ class Trainer:
                                 for _ in range(self.training.gradient_accumulation_steps)]
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)
+                started = time.perf_counter()
                 sums: dict[str, torch.Tensor] = {}
                 for batch in step_batches:
                     for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
@@ -117,6 +120,11 @@ class Trainer:
                     record = {"step": self.step} | record | {"skipped_steps": self.nonfinite.skipped}
                     self.history.append(record)
                     progress.update(1)
+                    tokens = float(normalizer) * len(step_batches) * distributed.world_size()
+                    progress.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k.endswith("loss")}
+                                         | {"tok/s": f"{tokens / (time.perf_counter() - started):,.0f}"})
+                    if self.on_record is not None:
+                        self.on_record(record)
                     if self.step % self.training.log_every == 0 and distributed.is_main():
                         logger.info("step %d: %s", self.step, record)
                     if self.training.save_every and self.step % self.training.save_every == 0:
