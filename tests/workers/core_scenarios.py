@@ -7,7 +7,6 @@ One launch runs several scenarios because every launch pays DeepSpeed's start-up
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from transformers import GPT2LMHeadModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rank_results import gathered, write  # noqa: E402
 from tiny_models import random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
@@ -38,11 +38,6 @@ def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
     """Step s uses global micro-batches [s*world*GAS, (s+1)*world*GAS); rank r takes its GAS of them."""
     return [all_batches[(s * world + rank) * GAS + m] for s in range(STEPS) for m in range(GAS)]
 
-
-def gathered(params) -> list[torch.Tensor]:
-    params = list(params)
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone().float() for p in params]
 
 
 def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int):
@@ -72,9 +67,6 @@ def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[di
         losses.append(loss.item())
     return [p.detach() for p in student.parameters()], losses
 
-
-def write(out: Path, name: str, result: dict) -> None:
-    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
 def equivalence(out: Path, name: str, student_cfg: dict, teacher_cfg: dict, pair: tuple[Path, Path]) -> Distiller:

@@ -6,20 +6,19 @@ One launch runs every scenario (each launch pays DeepSpeed's start-up). Each wri
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import deepspeed
 import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_multi_student import compare  # noqa: E402
+from rank_results import gathered, max_diff, write  # noqa: E402
 from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
@@ -35,14 +34,6 @@ TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumu
 MIXED = [{"name": "cross_entropy", "weight": 0.5}, {"name": "reverse_kl", "weight": 0.5, "temperature": 2.0}]
 
 
-def gathered(module: torch.nn.Module) -> list[torch.Tensor]:
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone().float() for p in params]
-
-
-def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def count_forwards(module: torch.nn.Module) -> list[int]:
@@ -51,9 +42,6 @@ def count_forwards(module: torch.nn.Module) -> list[int]:
     getattr(module, "module", module).register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
-
-def write(out: Path, name: str, result: dict) -> None:
-    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
 class Preempted(MultiStudentDistiller):

@@ -18,6 +18,7 @@ from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_scenarios import CONSTANT_LR, GAS, LENGTH, MBS, STEPS, TRAINING, gathered, rank_batches  # noqa: E402
+from rank_results import write  # noqa: E402
 from tiny_models import VOCAB, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, distributed  # noqa: E402
@@ -35,9 +36,6 @@ def tiny_tokenizer():
     """A small byte-level BPE trained here: the store records its vocabulary, the token ids are random."""
     return train_tokenizer(["def f(x):\n    return x + 1\n"] * 4, vocab_size=300)
 
-
-def write(out: Path, name: str, result: dict) -> None:
-    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
 def blocks_of(batches: list[dict]) -> datasets.Dataset:

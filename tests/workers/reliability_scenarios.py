@@ -7,7 +7,6 @@ The ``killed_save`` and ``stall`` scenarios end their process on purpose (SIGKIL
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -17,12 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import datasets
-import deepspeed
 import numpy as np
 import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rank_results import gathered, max_diff, write  # noqa: E402
 from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig, checkpoint, distributed  # noqa: E402
@@ -38,19 +37,6 @@ TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumu
 PARTS = [{"name": "forward_kl", "weight": 1.0}, {"name": "cross_entropy", "weight": 0.1}]
 BLOCKS = 13  # not a multiple of any global batch: each epoch drops a block, and step 3 ends an epoch exactly
 
-
-def write(out: Path, name: str, result: dict) -> None:
-    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
-
-
-def gathered(module: torch.nn.Module) -> list[torch.Tensor]:
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return [p.detach().clone().float() for p in params]
-
-
-def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def rng_draws() -> list[float]:

@@ -1,0 +1,28 @@
+"""What the rank workers in tests/workers/ share: gathering weights and writing each rank's results."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from distill_kit import distributed
+
+
+def gathered(source: torch.nn.Module | Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Full float32 copies of a module's (or the given) parameters, whatever their ZeRO partitioning."""
+    params = list(source.parameters() if isinstance(source, torch.nn.Module) else source)
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone().float() for p in params]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def write(out: Path, name: str, result: dict) -> None:
+    """``<out>/<name>.rank<r>.json``, read back by the pytest side."""
+    (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
