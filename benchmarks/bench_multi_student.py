@@ -6,10 +6,11 @@ the same steps; the shared side is one :class:`MultiStudentDistiller`, the separ
 side is timed after ``warmup`` steps and reports student tokens/s (non-padding input tokens each student
 trained on, summed over students and ranks, per second), the teacher forwards it ran, and peak memory.
 
-GPU (2 GPUs; teacher and students as save_pretrained directories)::
+GPU (2 GPUs; random-initialised models of a benchmark pair, or save_pretrained directories)::
 
-    torchrun --nproc_per_node 2 benchmarks/bench_multi_student.py --teacher T --student small=S1 \\
-        --student big=S2 --dtype bf16 --micro-batch 8 --seq-len 1024 --warmup 3 --steps 10 --out runs/multi
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_student.py --pair qwen2-7b-0.5b --student a --student b \\
+        --micro-batch 8 --out runs/multi
+    torchrun --nproc_per_node 2 benchmarks/bench_multi_student.py --teacher T --student small=S1 --student big=S2 ...
 
 CPU smoke (what the test suite runs, through :func:`compare`): tiny GPT-2s, 2 gloo ranks.
 """
@@ -22,15 +23,17 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pairs
 import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 from transformers import AutoConfig
 
-from distill_kit import Distiller, TrainingConfig, distributed
+from distill_kit import Distiller, TrainingConfig, deepspeed_config, distributed
 from distill_kit.distiller import CONFIG_DIR, Batch
 from distill_kit.models import ModelSource
 from distill_kit.multi_student import MultiStudentDistiller
@@ -129,11 +132,27 @@ def _random_batches(count: int, micro_batch: int, length: int, vocab: int, seed:
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
+def _pair_sources(name: str, training: TrainingConfig, device: torch.device) -> tuple[Source, Source, dict, dict]:
+    """Factories of random-initialised models of a benchmark pair (``pairs.py``), and their filled configs: a
+    7B teacher saved to disk only to be read back would cost minutes per side."""
+    pair = pairs.PAIRS[name]
+    student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
+        CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
+        student_hidden_size=pair.student.hidden_size, teacher_hidden_size=pair.teacher.hidden_size,
+        world_size=distributed.world_size(),
+    )
+    teacher = partial(pairs.build, pair.teacher, teacher_cfg, training.dtype, device, "sdpa")
+    student = partial(pairs.build, pair.student, student_cfg, training.dtype, device, "sdpa")
+    return teacher, student, teacher_cfg, student_cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--teacher", required=True, help="save_pretrained directory or hub name")
-    parser.add_argument("--student", action="append", required=True, metavar="NAME=PATH",
-                        help="a student (repeat for several)")
+    parser.add_argument("--pair", choices=sorted(pairs.PAIRS),
+                        help="random-initialised models of a benchmark pair, instead of --teacher/--student")
+    parser.add_argument("--teacher", help="save_pretrained directory or hub name")
+    parser.add_argument("--student", action="append", metavar="NAME=PATH",
+                        help="a student (repeat for several); with --pair, NAME alone (each a copy of the pair's)")
     parser.add_argument("--loss", default="forward_kl")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -142,13 +161,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps, after the warm-up")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    distributed.init()
+    if not args.student or (args.pair is None) == (args.teacher is None):
+        parser.error("give --student (repeated) and either --pair or --teacher")
+    device = distributed.init()
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch,
                               dtype=args.dtype, log_every=10**9)
-    students = [StudentSpec(name, path, args.loss) for name, _, path in (s.partition("=") for s in args.student)]
-    vocab = AutoConfig.from_pretrained(args.student[0].partition("=")[2]).vocab_size
+    configs: dict[str, Any] = {}
+    if args.pair:
+        teacher, student, configs["teacher_ds_config"], configs["student_ds_config"] = _pair_sources(
+            args.pair, training, device)
+        students = [StudentSpec(entry.partition("=")[0], student, args.loss) for entry in args.student]
+        vocab = pairs.PAIRS[args.pair].student.vocab_size
+    else:
+        teacher = args.teacher
+        students = [StudentSpec(name, path, args.loss) for name, _, path in (s.partition("=") for s in args.student)]
+        vocab = AutoConfig.from_pretrained(args.student[0].partition("=")[2]).vocab_size
     batches = _random_batches(training.max_steps, args.micro_batch, args.seq_len, vocab, seed=distributed.rank())
-    result = compare(args.teacher, students, batches, training, warmup=args.warmup)
+    result = compare(teacher, students, batches, training, warmup=args.warmup, **configs)
     if distributed.is_main():
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "multi_student.json").write_text(json.dumps(result, indent=2))

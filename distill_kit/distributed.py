@@ -52,10 +52,12 @@ def is_main() -> bool:
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a no-op on one); the value keeps its device."""
+    """Sum over ranks (a no-op on one); the value keeps its device, wherever the backend needs it to be
+    (NCCL reduces only accelerator tensors, gloo only CPU ones)."""
     if world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        reduced = value.to(get_accelerator().current_device_name(), copy=True)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        value = reduced.to(value.device)
     return value
 
 
