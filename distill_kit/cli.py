@@ -140,9 +140,15 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
         if path is not None and _looks_local(path) and not Path(path).is_dir():
             raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
-    if distributed.is_main():
-        checkpoint.check_output_dir(out, run_identity(config), resume=resume)
-    _barrier()
+    problem = None
+    if distributed.is_main():  # rank 0 reads and writes the folder; every rank stops on what it found
+        try:
+            checkpoint.check_output_dir(out, run_identity(config), resume=resume)
+        except ValueError as err:
+            problem = str(err)
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(problem)
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
