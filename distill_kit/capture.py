@@ -90,10 +90,7 @@ def teacher_ds_config(ds_config: str | Path | Mapping[str, Any], training: Train
 
 def _on_main(compute: Callable[[], str]) -> str:
     """``compute()`` on rank 0 only (e.g. hashing a large dataset), its result sent to every rank."""
-    box = [compute() if distributed.is_main() else None]
-    if distributed.world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return distributed.broadcast_object(compute() if distributed.is_main() else None)
 
 
 def start(root: Path, spec: StoreSpec, config: CaptureConfig) -> Manifest:
@@ -149,8 +146,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
         hidden_layers=config.hidden_layers, hidden_dtype=config.hidden_dtype,
     )
     manifest = start(root, spec, config)
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
     loader = BlockLoader(blocks, config.micro_batch_size, rank=rank, world_size=world, shuffle=False,
                          drop_last=False)
     # Every rank resumes at the same micro-batch (the teacher's forward is collective): the least any finished.
@@ -170,15 +166,13 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
             first = index + 1
         progress.update(1)
     progress.close()
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
     if distributed.is_main():
         manifest.complete = True
         manifest.stats = store_stats(root, spec) | {"capture_s": time.perf_counter() - started}
         manifest.save(root)
         logger.info("teacher store %s: %s", root, manifest.stats)
-    if world > 1:
-        dist.barrier()
+    distributed.barrier()
     return Manifest.load(root)
 
 

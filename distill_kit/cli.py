@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit import checkpoint, data, distributed, preemption, report, run_config
@@ -26,15 +25,10 @@ from distill_kit.student_spec import StudentSpec
 logger = logging.getLogger("distill_kit")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _on_main_first(work):
     """Run ``work`` on rank 0, then on the others: one-time preparation is written once, then reused."""
     result = work() if distributed.is_main() else None
-    _barrier()
+    distributed.barrier()
     return result if distributed.is_main() else work()
 
 
@@ -71,7 +65,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
         model_config.update(dict(student.init))
         torch.manual_seed(config.training.seed)
         AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
-    _barrier()
+    distributed.barrier()
     return StudentSpec(model=str(path), **spec)
 
 
@@ -174,19 +168,17 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                   f"Continue with: --output_dir {out} --resume")
         return None
     students.export(out / "students", tokenizer)
-    summary: list[Any] = [None]
+    summary = None
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
         histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
                      for s in config.students}
         extra = {"seconds": time.time() - started, "world_size": world,
                  "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
-        summary = [report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)]
-        print(report.table(summary[0]))
+        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
+        print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
-    if world > 1:
-        dist.broadcast_object_list(summary, src=0)
-    return summary[0]
+    return distributed.broadcast_object(summary)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

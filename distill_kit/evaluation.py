@@ -16,7 +16,6 @@ from typing import Any
 
 import evaluate
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distill_kit import distributed
@@ -57,10 +56,7 @@ def token_statistics(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 def _gather(values: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor] | None:
     """Every rank's token statistics, concatenated on rank 0 (None elsewhere)."""
     local = {k: torch.cat(v) if v else torch.empty(0) for k, v in values.items()}
-    if distributed.world_size() == 1:
-        return local
-    everyone: list[Any] = [None] * distributed.world_size()
-    dist.all_gather_object(everyone, local)
+    everyone = distributed.all_gather_object(local)
     if not distributed.is_main():
         return None
     return {k: torch.cat([part[k] for part in everyone]) for k in local}
@@ -86,7 +82,7 @@ def evaluate_students(
                 values[name].setdefault(key, []).append(tensor)
         teacher_nll.append(stats["teacher_nll"])
 
-    results: list[Any] = [None]
+    report = None
     gathered = {name: _gather(v) for name, v in values.items()}
     teacher = _gather({"teacher_nll": teacher_nll})
     if distributed.is_main():
@@ -99,7 +95,4 @@ def evaluate_students(
                                     references=stats["teacher_top1"].tolist())
                 | kl.compute(predictions=stats["kl"].double().tolist())
             )
-        results = [report]
-    if distributed.world_size() > 1:
-        dist.broadcast_object_list(results, src=0)
-    return results[0]
+    return distributed.broadcast_object(report)

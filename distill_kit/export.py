@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
-import torch.distributed as dist
 from torch import nn
 
 from distill_kit import distributed
@@ -30,6 +29,5 @@ def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | Non
                 model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
-    if dist.is_initialized():
-        dist.barrier()
+    distributed.barrier()
     return directory

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+from tiny_models import save_pair
 
 from distill_kit import distributed
 
@@ -26,3 +27,11 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def write(out: Path, name: str, result: dict) -> None:
     """``<out>/<name>.rank<r>.json``, read back by the pytest side."""
     (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
+
+
+def saved_pair(out: Path) -> tuple[Path, Path]:
+    """The tiny teacher and student of ``tiny_models.save_pair``, written once by rank 0 for every rank."""
+    if distributed.is_main():
+        save_pair(out / "models")
+    distributed.barrier()
+    return out / "models/teacher", out / "models/student"

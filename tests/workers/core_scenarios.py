@@ -17,8 +17,8 @@ from transformers import GPT2LMHeadModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, write  # noqa: E402
-from tiny_models import random_batches, save_pair  # noqa: E402
+from rank_results import gathered, saved_pair, write  # noqa: E402
+from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
 from distill_kit.deepspeed_config import load  # noqa: E402
@@ -189,10 +189,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     scenarios = sys.argv[2].split(",")
     distributed.init()
-    if distributed.is_main():
-        save_pair(out / "models")
-    torch.distributed.barrier()
-    pair = (out / "models/teacher", out / "models/student")
+    pair = saved_pair(out)
     zero3_student = copy.deepcopy(CONSTANT_LR) | {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
                                                    "stage3_param_persistence_threshold": "auto"}}
     zero0_teacher = {"zero_optimization": {"stage": 0}}

@@ -18,8 +18,8 @@ from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_scenarios import CONSTANT_LR, GAS, LENGTH, MBS, STEPS, TRAINING, gathered, rank_batches  # noqa: E402
-from rank_results import write  # noqa: E402
-from tiny_models import VOCAB, random_batches, save_pair  # noqa: E402
+from rank_results import saved_pair, write  # noqa: E402
+from tiny_models import VOCAB, random_batches  # noqa: E402
 
 from distill_kit import Distiller, distributed  # noqa: E402
 from distill_kit.capture import CaptureConfig, capture  # noqa: E402
@@ -138,10 +138,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     scenarios = sys.argv[2].split(",")
     distributed.init()
-    if distributed.is_main():
-        save_pair(out / "models")
-    torch.distributed.barrier()
-    pair = (out / "models/teacher", out / "models/student")
+    pair = saved_pair(out)
     tokenizer = tiny_tokenizer()
     if "offline_equals_online" in scenarios:
         offline_equals_online(out, pair, tokenizer)
