@@ -33,11 +33,12 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from transformers import AutoConfig
 
-from distill_kit import Distiller, TrainingConfig, deepspeed_config, distributed
+from distill_kit import Distiller, TrainingConfig
 from distill_kit.distiller import CONFIG_DIR, Batch
-from distill_kit.models import ModelSource
-from distill_kit.multi_student import MultiStudentDistiller
-from distill_kit.student_spec import StudentSpec
+from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines.models import ModelSource
+from distill_kit.training.multi_student import MultiStudentDistiller
+from distill_kit.training.student_spec import StudentSpec
 
 Source = ModelSource | Callable[[], nn.Module]
 """A path or hub name, or a factory of fresh modules: one built module cannot be wrapped by two engines."""

@@ -4,7 +4,7 @@ In one launch, on the same GPUs, with the same student, data, loss and micro-bat
 
 1. ``online``: ZeRO-2 student + ZeRO-3 teacher (the Distiller's defaults), the teacher's forward every step;
 2. ``capture``: the same ZeRO-3 teacher run once over exactly the blocks the timed runs read, into a store
-   (``distill_kit/capture.py``): its tokens/s and bytes per token on disk;
+   (``distill_kit/offline/capture.py``): its tokens/s and bytes per token on disk;
 3. ``offline``: the same student trained from that store (``CapturedTeacher``): no teacher weights and no
    teacher forward, only reads of the top-k rows.
 
@@ -38,11 +38,12 @@ import pairs  # this and phases: siblings in benchmarks/, on the path when the s
 import torch
 from phases import TimedDistiller
 
-from distill_kit import TrainingConfig, deepspeed_config, distributed
-from distill_kit.capture import CaptureConfig, capture
-from distill_kit.captured_teacher import CapturedTeacher
-from distill_kit.data import BlockLoader
+from distill_kit import TrainingConfig
+from distill_kit.data.blocks import BlockLoader
 from distill_kit.distiller import CONFIG_DIR
+from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.offline.capture import CaptureConfig, capture
+from distill_kit.offline.captured_teacher import CapturedTeacher
 
 GIB = 2**30
 

@@ -49,8 +49,9 @@ from naive_loss import NaiveForwardKL
 from phases import TimedDistiller
 from transformers import AutoModelForCausalLM
 
-from distill_kit import TrainingConfig, deepspeed_config, distributed
+from distill_kit import TrainingConfig
 from distill_kit.distiller import CONFIG_DIR
+from distill_kit.engines import deepspeed_config, distributed
 from losses import build_loss
 
 GIB = 2**30

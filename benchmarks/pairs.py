@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from distill_kit.deepspeed_config import zero_stage
-from distill_kit.models import TORCH_DTYPES, active_transformers_config
+from distill_kit.engines.deepspeed_config import zero_stage
+from distill_kit.engines.models import TORCH_DTYPES, active_transformers_config
 
 QWEN2_VOCAB = 151_936
 

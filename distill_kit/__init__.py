@@ -1,6 +1,15 @@
-"""distill-kit: train a small student language model to imitate a large frozen teacher on DeepSpeed."""
+"""distill-kit: train a small student language model to imitate a large frozen teacher on DeepSpeed.
 
-from distill_kit.config import TrainingConfig
+Where things live: ``distiller.py`` (the Distiller and its hooks), ``engines/`` (DeepSpeed configs,
+model loading, engine building), ``training/`` (the loop, checkpoints, groups of models), ``data/``,
+``offline/`` (captured teachers) and ``run/`` (the main job: config, CLI, evaluation, export, report).
+"""
+
 from distill_kit.distiller import Distiller
+from distill_kit.offline.captured_teacher import CapturedTeacher
+from distill_kit.training.config import TrainingConfig
+from distill_kit.training.multi_student import MultiStudentDistiller
+from distill_kit.training.side_by_side import SideBySide
+from distill_kit.training.student_spec import StudentSpec
 
-__all__ = ["Distiller", "TrainingConfig"]
+__all__ = ["CapturedTeacher", "Distiller", "MultiStudentDistiller", "SideBySide", "StudentSpec", "TrainingConfig"]

@@ -8,7 +8,7 @@ Each hook does one thing and can be overridden alone by research code::
     self.student.backward(loss.total); self.student.step()
 
 The loop around the step (accumulation, records, checkpoints and resume, signals, non-finite steps) is
-:class:`~distill_kit.training_loop.Trainer`'s, shared with the groups of ``multi_student.py`` and
+:class:`~distill_kit.training.loop.Trainer`'s, shared with the groups of ``multi_student.py`` and
 ``side_by_side.py``: ``train``, ``save``, ``load``, ``resume``, ``step``, ``history``, ``stopped_by``.
 """
 
@@ -21,10 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit import deepspeed_config, distributed, engines, evaluation, models, nonfinite
-from distill_kit.config import TrainingConfig
-from distill_kit.models import ModelSource
-from distill_kit.training_loop import Batch, Trainer
+from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines.build import build_student, build_teacher
+from distill_kit.engines.models import ModelSource
+from distill_kit.run import evaluation
+from distill_kit.training import nonfinite
+from distill_kit.training.config import TrainingConfig
+from distill_kit.training.loop import Batch, Trainer
 from losses import DistillationLoss, LossOutput, build_loss
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -75,9 +78,9 @@ class Distiller(Trainer):
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         check_vocabularies(student_model, teacher_model)
-        self.teacher = (engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
+        self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
-        self.student = engines.build_student(student_model, self.loss, self.student_ds_config)
+        self.student = build_student(student_model, self.loss, self.student_ds_config)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

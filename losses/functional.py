@@ -6,7 +6,7 @@ Everything works on log-probabilities from ``log_softmax``; mixtures of two dist
 in log space with ``logaddexp`` so that no probability is ever logged after underflowing to zero.
 Callers upcast to float32 (the chunked path does it per chunk); float64 passes through for tests.
 
-A captured teacher (``distill_kit/teacher_store.py``) keeps only its top ``k`` log-probabilities per token;
+A captured teacher (``distill_kit/offline/store.py``) keeps only its top ``k`` log-probabilities per token;
 :func:`top_k_rows` turns those and the student's logits into two rows over the same outcomes, which every
 divergence here then takes unchanged: the math of each divergence stays written once.
 """

@@ -1,6 +1,6 @@
 """A captured teacher's next-token targets: its top-k log-probabilities per token, not its logits.
 
-Offline distillation (``distill_kit/teacher_store.py``) runs the teacher once and keeps, per token, the
+Offline distillation (``distill_kit/offline/store.py``) runs the teacher once and keeps, per token, the
 ``k`` most likely ids, their log-probabilities at temperature 1 and the log of the mass left outside them
 (the tail). A captured teacher's output carries these as its ``logits``; :class:`losses.LogitLoss` sees
 the type and compares the student with them on the k ids, through :func:`losses.functional.top_k_rows`,

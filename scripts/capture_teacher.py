@@ -1,12 +1,12 @@
 """Capture a teacher once: its top-k next-token log-probabilities (and chosen hidden states) over a dataset.
 
-Later runs distil from the store instead of the live teacher (``distill_kit.captured_teacher``), which
+Later runs distil from the store instead of the live teacher (``distill_kit.offline.captured_teacher``), which
 removes the teacher's forward and its weights from every training step. Run it on every rank::
 
     torchrun --nproc_per_node 8 scripts/capture_teacher.py --teacher Qwen/Qwen2-72B \\
         --data corpus/*.jsonl --block-size 2048 --k 64 --out stores/qwen72b-k64
 
-The blocks are built by ``distill_kit.data`` from the data flags below; a training run uses the same
+The blocks are built by ``distill_kit.data.blocks`` from the data flags below; a training run uses the same
 store only with the same blocks (same files, tokenizer, block size, packing, held-out split and seed),
 and refuses it otherwise. A stopped capture resumes when run again with the same arguments.
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from distill_kit import distributed
-from distill_kit.capture import CaptureConfig, capture
-from distill_kit.data import DataConfig, build_splits
+from distill_kit.data.blocks import DataConfig, build_splits
 from distill_kit.distiller import CONFIG_DIR
+from distill_kit.engines import distributed
+from distill_kit.offline.capture import CaptureConfig, capture
 
 
 def parse_args() -> argparse.Namespace:

@@ -8,7 +8,7 @@ a fresh student, and the same student without a teacher, on this Python's standa
 
 import sys
 
-from distill_kit.cli import main
+from distill_kit.run.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

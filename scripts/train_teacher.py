@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
-from distill_kit.corpus import DEFAULT_HELDOUT_FRACTION, CorpusSplits, write_corpus
-from distill_kit.data import IGNORE_INDEX, BlockLoader, DataConfig, build_splits
-from distill_kit.tokenizer import DEFAULT_VOCAB_SIZE, train_and_save
+from distill_kit.data.blocks import IGNORE_INDEX, BlockLoader, DataConfig, build_splits
+from distill_kit.data.corpus import DEFAULT_HELDOUT_FRACTION, CorpusSplits, write_corpus
+from distill_kit.data.tokenizer import DEFAULT_VOCAB_SIZE, train_and_save
 
 ASSETS = Path(__file__).resolve().parents[1] / "distill_kit" / "assets" / "default" / "teacher"
 

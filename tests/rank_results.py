@@ -10,7 +10,7 @@ import deepspeed
 import torch
 from tiny_models import save_pair
 
-from distill_kit import distributed
+from distill_kit.engines import distributed
 
 
 def gathered(source: torch.nn.Module | Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:

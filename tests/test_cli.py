@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from launch import ROOT, run_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from distill_kit import data, run_config
-from distill_kit.tokenizer import train_tokenizer
+from distill_kit.data import blocks
+from distill_kit.data.tokenizer import train_tokenizer
+from distill_kit.run import run_config
 
 SCRIPT = ROOT / "scripts/distill.py"
 
@@ -56,12 +57,12 @@ def _heldout_perplexity(model_dir: Path, tiny: dict[str, Path]) -> float:
     """Perplexity of an exported student over every held-out block, with plain transformers."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = data.DataConfig(train=str(tiny["root"] / "train.txt"), heldout=str(tiny["root"] / "heldout.txt"),
-                             block_size=32, max_heldout_blocks=12)
-    blocks = data.build_splits(config, tokenizer).heldout.with_format("torch")
+    config = blocks.DataConfig(train=str(tiny["root"] / "train.txt"), heldout=str(tiny["root"] / "heldout.txt"),
+                               block_size=32, max_heldout_blocks=12)
+    heldout = blocks.build_splits(config, tokenizer).heldout.with_format("torch")
     nll, tokens = 0.0, 0
     with torch.no_grad():
-        for row in blocks:
+        for row in heldout:
             logits = model(input_ids=row["input_ids"][None], attention_mask=row["attention_mask"][None]).logits[0, :-1]
             labels = row["labels"][1:]
             keep = labels != -100

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from distill_kit.corpus import is_heldout, source_files, stable_fraction, stdlib_root, write_corpus
+from distill_kit.data.corpus import is_heldout, source_files, stable_fraction, stdlib_root, write_corpus
 
 
 def fake_stdlib(root: Path, modules: int = 40) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from distill_kit.tokenizer import EOS_TOKEN, train_tokenizer
+from distill_kit.data.tokenizer import EOS_TOKEN, train_tokenizer
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n"] * 50
 

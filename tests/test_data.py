@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from distill_kit.data import (
+from distill_kit.data.blocks import (
     IGNORE_INDEX,
     BlockLoader,
     DataConfig,

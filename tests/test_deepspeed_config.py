@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distill_kit import TrainingConfig
-from distill_kit.deepspeed_config import DeepSpeedConfigError, load, prepare_pair
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, prepare_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures"

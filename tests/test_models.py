@@ -7,7 +7,7 @@ from tiny_models import save_pair
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.integrations import deepspeed as hf_deepspeed
 
-from distill_kit import models
+from distill_kit.engines import models
 
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}

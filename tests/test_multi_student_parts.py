@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from distill_kit import TrainingConfig
-from distill_kit.deepspeed_config import DeepSpeedConfigError, TrainedConfig, prepare_group
-from distill_kit.student_spec import StudentSpec, student_specs
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, TrainedConfig, prepare_group
+from distill_kit.training.student_spec import StudentSpec, student_specs
 from losses import build_loss
 from losses.functional import forward_kl
 

@@ -58,9 +58,9 @@ def test_capture_script_stores_the_blocks_a_training_run_builds(tmp_path):
     from tiny_models import gpt2_config
     from transformers import GPT2LMHeadModel
 
-    from distill_kit.captured_teacher import CapturedTeacher
-    from distill_kit.data import DataConfig, build_splits
-    from distill_kit.tokenizer import train_tokenizer
+    from distill_kit.data.blocks import DataConfig, build_splits
+    from distill_kit.data.tokenizer import train_tokenizer
+    from distill_kit.offline.captured_teacher import CapturedTeacher
 
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer = train_tokenizer([f"def f{i}(x):\n    return x * {i}\n" for i in range(20)], vocab_size=300)

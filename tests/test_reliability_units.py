@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from distill_kit import TrainingConfig, checkpoint
+from distill_kit import TrainingConfig
 from distill_kit.distiller import check_vocabularies
-from distill_kit.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
-from distill_kit.preemption import StopRequest
+from distill_kit.training import checkpoint
+from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
+from distill_kit.training.preemption import StopRequest
 
 HASH = "a" * 64
 
@@ -74,7 +75,7 @@ def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path, 
     save(tmp_path, 1)
     damage(save(tmp_path, 2))
     (tmp_path / ".partial-step_00000003").mkdir()
-    with caplog.at_level(logging.WARNING, logger="distill_kit.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="distill_kit.training.checkpoint"):
         assert checkpoint.latest_complete(tmp_path) == tmp_path / "step_00000001"
     assert reason in caplog.text
     assert ".partial-step_00000003: a save that did not finish" in caplog.text

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rank_results import gathered, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
-from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
-from distill_kit.deepspeed_config import load  # noqa: E402
+from distill_kit import Distiller, TrainingConfig  # noqa: E402
+from distill_kit.engines import distributed  # noqa: E402
+from distill_kit.engines.deepspeed_config import load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDENT_CFG = load(ROOT / "configs/zero2_student.json")

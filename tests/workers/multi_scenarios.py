@@ -21,11 +21,12 @@ from bench_multi_student import compare  # noqa: E402
 from rank_results import gathered, max_diff, write  # noqa: E402
 from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
-from distill_kit import Distiller, TrainingConfig, distributed  # noqa: E402
-from distill_kit.multi_student import MultiStudentDistiller  # noqa: E402
-from distill_kit.nonfinite import NonFiniteError  # noqa: E402
-from distill_kit.side_by_side import SideBySide  # noqa: E402
-from distill_kit.student_spec import StudentSpec  # noqa: E402
+from distill_kit import Distiller, TrainingConfig  # noqa: E402
+from distill_kit.engines import distributed  # noqa: E402
+from distill_kit.training.multi_student import MultiStudentDistiller  # noqa: E402
+from distill_kit.training.nonfinite import NonFiniteError  # noqa: E402
+from distill_kit.training.side_by_side import SideBySide  # noqa: E402
+from distill_kit.training.student_spec import StudentSpec  # noqa: E402
 from losses import LossOutput  # noqa: E402
 
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24

@@ -21,11 +21,12 @@ from core_scenarios import CONSTANT_LR, GAS, LENGTH, MBS, STEPS, TRAINING, gathe
 from rank_results import saved_pair, write  # noqa: E402
 from tiny_models import VOCAB, random_batches  # noqa: E402
 
-from distill_kit import Distiller, distributed  # noqa: E402
-from distill_kit.capture import CaptureConfig, capture  # noqa: E402
-from distill_kit.captured_teacher import CapturedTeacher, StoreMismatchError  # noqa: E402
-from distill_kit.teacher_store import MANIFEST, Manifest, parts  # noqa: E402
-from distill_kit.tokenizer import train_tokenizer  # noqa: E402
+from distill_kit import Distiller  # noqa: E402
+from distill_kit.data.tokenizer import train_tokenizer  # noqa: E402
+from distill_kit.engines import distributed  # noqa: E402
+from distill_kit.offline.capture import CaptureConfig, capture  # noqa: E402
+from distill_kit.offline.captured_teacher import CapturedTeacher, StoreMismatchError  # noqa: E402
+from distill_kit.offline.store import MANIFEST, Manifest, parts  # noqa: E402
 
 LOSS = [{"name": "forward_kl", "weight": 1.0}, {"name": "hidden_mse", "weight": 0.5, "layers": [[1, 3]]}]
 FULL = CaptureConfig(k=VOCAB, values_dtype="fp32", hidden_layers=(3,), hidden_dtype="fp32", micro_batch_size=MBS,

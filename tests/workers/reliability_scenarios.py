@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rank_results import gathered, max_diff, write  # noqa: E402
 from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
-from distill_kit import Distiller, TrainingConfig, checkpoint, distributed  # noqa: E402
-from distill_kit.data import BlockLoader  # noqa: E402
-from distill_kit.nonfinite import NonFiniteError  # noqa: E402
+from distill_kit import Distiller, TrainingConfig  # noqa: E402
+from distill_kit.data.blocks import BlockLoader  # noqa: E402
+from distill_kit.engines import distributed  # noqa: E402
+from distill_kit.training import checkpoint  # noqa: E402
+from distill_kit.training.nonfinite import NonFiniteError  # noqa: E402
 from losses import LossOutput  # noqa: E402
 
 MBS, GAS, LENGTH, STEPS = 2, 2, 16, 6

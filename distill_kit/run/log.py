@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from distill_kit import distributed
+from distill_kit.engines import distributed
 
 
 class RunLog:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distill_kit.config import TrainingConfig
-from distill_kit.models import ModelSource
+from distill_kit.engines.models import ModelSource
+from distill_kit.training.config import TrainingConfig
 from losses.registry import LossSpec
 
 

@@ -2,7 +2,7 @@
 
 :class:`CapturedTeacher` is an ``nn.Module`` with the teacher's config and no weights, whose forward
 returns what the real teacher returned for the same sequence when it was captured
-(``distill_kit/capture.py``). So it goes where a teacher goes, and nothing else changes::
+(``distill_kit/offline/capture.py``). So it goes where a teacher goes, and nothing else changes::
 
     teacher = CapturedTeacher("stores/qwen7b-k64", tokenizer=tokenizer, dataset=blocks, k=64)
     distiller = Distiller("path/to/student", teacher, loss="forward_kl")
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from distill_kit.fingerprints import dataset_fingerprint, tokenizer_fingerprint
-from distill_kit.teacher_store import StoreReader, StoreSpec, block_key
+from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
+from distill_kit.offline.store import StoreReader, StoreSpec, block_key
 from losses.sparse import SparseTeacherLogits
 
 
@@ -96,7 +96,7 @@ class CapturedTeacher(nn.Module):
         store: a folder written by ``scripts/capture_teacher.py``.
         tokenizer, dataset, k: this run's, to be checked against the store's (each is optional; give them:
             a mismatch otherwise shows only when a sequence is not found). ``dataset`` is the tokenised
-            block dataset, or its :func:`~distill_kit.fingerprints.dataset_fingerprint`.
+            block dataset, or its :func:`~distill_kit.offline.fingerprints.dataset_fingerprint`.
         tail_bucket: compare on k + 1 outcomes, the top k and the rest (exact at temperature 1 only), or,
             if False, on the top k renormalised (any temperature). See ``losses/sparse.py``.
     """

@@ -2,7 +2,7 @@
 
 Why a store: distillation runs repeat over the same corpus (sweeps, several students, epochs), and the
 teacher's forward is the dominant cost of each step. Run it once (``scripts/capture_teacher.py``), keep
-what the losses need, and every later run reads it instead (``distill_kit/captured_teacher.py``).
+what the losses need, and every later run reads it instead (``distill_kit/offline/captured_teacher.py``).
 
 Layout of a store folder::
 
@@ -44,7 +44,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from distill_kit.models import TORCH_DTYPES
+from distill_kit.engines.models import TORCH_DTYPES
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

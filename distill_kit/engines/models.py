@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations import deepspeed as hf_deepspeed
 
-from distill_kit.deepspeed_config import zero_stage
+from distill_kit.engines.deepspeed_config import zero_stage
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -14,13 +14,16 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit import checkpoint, data, distributed, preemption, report, run_config
-from distill_kit.corpus import write_corpus
-from distill_kit.models import check_tokenizers
-from distill_kit.multi_student import MultiStudentDistiller
-from distill_kit.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
-from distill_kit.run_log import RunLog
-from distill_kit.student_spec import StudentSpec
+from distill_kit.data import blocks
+from distill_kit.data.corpus import write_corpus
+from distill_kit.engines import distributed
+from distill_kit.engines.models import check_tokenizers
+from distill_kit.run import report, run_config
+from distill_kit.run.log import RunLog
+from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.training import checkpoint, preemption
+from distill_kit.training.multi_student import MultiStudentDistiller
+from distill_kit.training.student_spec import StudentSpec
 
 logger = logging.getLogger("distill_kit")
 
@@ -37,7 +40,7 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
 
 
-def prepare_data(config: RunConfig) -> data.DataConfig:
+def prepare_data(config: RunConfig) -> blocks.DataConfig:
     """Resolve ``data.train: stdlib`` to this Python's standard library, written once into the cache."""
     if config.data.train != STDLIB_CORPUS:
         return config.data
@@ -146,11 +149,11 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
-    splits = _on_main_first(lambda: data.build_splits(data_config, tokenizer))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
     rank, world = distributed.rank(), distributed.world_size()
     mbs = config.training.micro_batch_size
-    train_loader = data.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
-    eval_loader = data.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
+    train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
+    eval_loader = blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
     students = MultiStudentDistiller(
         config.teacher, specs, training=config.training,
         teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,

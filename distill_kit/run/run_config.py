@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 import yaml
 
-from distill_kit.config import TrainingConfig
-from distill_kit.data import DataConfig
+from distill_kit.data.blocks import DataConfig
+from distill_kit.training.config import TrainingConfig
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_TEACHER = PACKAGE_DIR / "assets" / "default" / "teacher"
 CONFIG_DIR = PACKAGE_DIR.parent / "configs"
 STDLIB_CORPUS = "stdlib"

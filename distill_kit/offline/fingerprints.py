@@ -16,7 +16,7 @@ from typing import Any
 import datasets
 import torch
 
-from distill_kit.teacher_store import block_key
+from distill_kit.offline.store import block_key
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -13,7 +13,7 @@ each other (deep mutual learning, ``losses/mutual.py``)::
 All forwards come before any loss, so a mutual loss reads every peer at the same weights (the
 simultaneous-update form of mutual learning); the cost is N models' activations alive at once. The loop around
 the step, its records, checkpoints (each model's engine in ``step_N/<name>``, one manifest), ``resume()``,
-signals and non-finite steps are the Distiller's (:class:`~distill_kit.training_loop.Trainer`).
+signals and non-finite steps are the Distiller's (:class:`~distill_kit.training.loop.Trainer`).
 """
 
 from __future__ import annotations
@@ -25,19 +25,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit import deepspeed_config, distributed, engines, export, nonfinite
-from distill_kit import models as loading
-from distill_kit.config import TrainingConfig
-from distill_kit.deepspeed_config import TrainedConfig
 from distill_kit.distiller import CONFIG_DIR, Batch
-from distill_kit.student_spec import StudentSpec, student_specs
-from distill_kit.training_loop import Trainer
+from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines import models as loading
+from distill_kit.engines.build import build_student
+from distill_kit.engines.deepspeed_config import TrainedConfig
+from distill_kit.run import export
+from distill_kit.training import nonfinite
+from distill_kit.training.config import TrainingConfig
+from distill_kit.training.loop import Trainer
+from distill_kit.training.student_spec import StudentSpec, student_specs
 from losses import DistillationLoss, LossOutput, build_loss
 
 
 class SideBySide(Trainer):
     """N models trained together without a teacher, each its own engine; ``models`` as in
-    :class:`~distill_kit.multi_student.MultiStudentDistiller`'s ``students``."""
+    :class:`~distill_kit.training.multi_student.MultiStudentDistiller`'s ``students``."""
 
     def __init__(
         self,
@@ -71,7 +74,7 @@ class SideBySide(Trainer):
         for spec in specs:
             loss, config = self.losses[spec.name], configs[spec.name]
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
-            self.models[spec.name] = engines.build_student(model, loss, config)
+            self.models[spec.name] = build_student(model, loss, config)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

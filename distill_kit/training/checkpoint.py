@@ -38,7 +38,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from distill_kit import distributed
+from distill_kit.engines import distributed
 
 logger = logging.getLogger(__name__)
 

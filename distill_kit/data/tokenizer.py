@@ -50,7 +50,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
 
 
 def train_and_save(corpus_train: Path, out_dir: Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train on a corpus JSON Lines file (see ``distill_kit.corpus``) and ``save_pretrained`` it."""
+    """Train on a corpus JSON Lines file (see ``distill_kit.data.corpus``) and ``save_pretrained`` it."""
     tokenizer = train_tokenizer(jsonl_texts(corpus_train), vocab_size)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

@@ -13,7 +13,8 @@ engine, the step, the history, each rank's random generators and data position),
 
 The :class:`~distill_kit.distiller.Distiller`'s one model has the empty name: its records read ``step, loss,
 <part>, lr, skipped_steps`` and its checkpoint keeps the engine in ``step_N/deepspeed``. A group's models
-(:class:`~distill_kit.multi_student.MultiStudentDistiller`, :class:`~distill_kit.side_by_side.SideBySide`) are
+(:class:`~distill_kit.training.multi_student.MultiStudentDistiller`,
+:class:`~distill_kit.training.side_by_side.SideBySide`) are
 named: records read ``<name>/loss, <name>/<part>, <name>/lr``, and a checkpoint keeps each engine in
 ``step_N/<name>``, next to one manifest and the state the models share (step, history, random generators, data).
 """
@@ -31,8 +32,9 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from distill_kit import checkpoint, distributed, nonfinite, preemption
-from distill_kit.config import TrainingConfig
+from distill_kit.engines import distributed
+from distill_kit.training import checkpoint, nonfinite, preemption
+from distill_kit.training.config import TrainingConfig
 from losses import LossOutput
 from losses.base import valid_positions
 

@@ -10,7 +10,7 @@ export; so its hooks (``student_forward``, ``compute_loss``, ``student_step``) a
     for student in self.students.values():
         student.student_step(batch, teacher_out)               # forward, loss, backward, step
 
-The loop around it is the Distiller's (:class:`~distill_kit.training_loop.Trainer`): records ``<name>/loss``,
+The loop around it is the Distiller's (:class:`~distill_kit.training.loop.Trainer`): records ``<name>/loss``,
 ``<name>/<part>``, ``<name>/lr``; one checkpoint of the whole group (each student's engine in ``step_N/<name>``,
 one manifest, the shared step, history, random generators and data position); ``resume()``, signals and
 non-finite steps as for one student.
@@ -24,13 +24,15 @@ from typing import Any
 
 import torch
 
-from distill_kit import deepspeed_config, distributed, engines, evaluation, export, models
-from distill_kit.config import TrainingConfig
-from distill_kit.deepspeed_config import TrainedConfig
 from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
-from distill_kit.models import ModelSource
-from distill_kit.student_spec import StudentSpec, student_specs
-from distill_kit.training_loop import Trainer
+from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines.build import build_teacher
+from distill_kit.engines.deepspeed_config import TrainedConfig
+from distill_kit.engines.models import ModelSource
+from distill_kit.run import evaluation, export
+from distill_kit.training.config import TrainingConfig
+from distill_kit.training.loop import Trainer
+from distill_kit.training.student_spec import StudentSpec, student_specs
 from losses import DistillationLoss, LossOutput, build_loss
 
 
@@ -78,7 +80,7 @@ class MultiStudentDistiller(Trainer):
         # The teacher loads first and once: it must never exist unsharded next to the students.
         need_attentions = any(loss.needs_attentions for loss in losses.values())
         teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
-        self.teacher = engines.build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
+        self.teacher = build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
         self.students: dict[str, Distiller] = {
             spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,
                                  teacher_ds_overrides=teacher_ds_overrides, shared_teacher=self.teacher,

@@ -21,14 +21,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit import checkpoint, distributed, engines, models
-from distill_kit.config import TrainingConfig
-from distill_kit.data import BlockLoader
-from distill_kit.deepspeed_config import DeepSpeedConfigError, load, resolve
+from distill_kit.data.blocks import BlockLoader
 from distill_kit.distiller import CONFIG_DIR
-from distill_kit.fingerprints import dataset_fingerprint, tokenizer_fingerprint
-from distill_kit.models import ModelSource
-from distill_kit.teacher_store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
+from distill_kit.engines import distributed, models
+from distill_kit.engines.build import build_teacher
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, resolve
+from distill_kit.engines.models import ModelSource
+from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
+from distill_kit.offline.store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
+from distill_kit.training import checkpoint
+from distill_kit.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     teacher_cfg = models.model_config(teacher)
     training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
     engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
-    model = engines.build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
+    model = build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
                                   device)
     spec = StoreSpec(
         teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),

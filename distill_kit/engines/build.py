@@ -9,8 +9,8 @@ import deepspeed
 import torch
 from torch import nn
 
-from distill_kit.deepspeed_config import zero_stage
-from distill_kit.models import TORCH_DTYPES
+from distill_kit.engines.deepspeed_config import zero_stage
+from distill_kit.engines.models import TORCH_DTYPES
 
 
 class StudentWithLoss(nn.Module):
@@ -56,7 +56,7 @@ def build_teacher(
     model.requires_grad_(False)
     model.eval()
     if not any(True for _ in model.parameters()):
-        return model  # no weights to shard or place: a captured teacher (distill_kit/captured_teacher.py)
+        return model  # no weights to shard or place: a captured teacher (distill_kit/offline/captured_teacher.py)
     if zero_stage(ds_config) == 3:
         engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config))
         engine.eval()

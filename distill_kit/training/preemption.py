@@ -16,7 +16,7 @@ from types import FrameType
 
 import torch
 
-from distill_kit import distributed
+from distill_kit.engines import distributed
 
 logger = logging.getLogger(__name__)
 

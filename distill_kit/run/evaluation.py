@@ -18,7 +18,7 @@ import evaluate
 import torch
 import torch.nn.functional as F
 
-from distill_kit import distributed
+from distill_kit.engines import distributed
 from losses.base import next_token_labels, valid_positions
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"

@@ -13,8 +13,8 @@ from typing import Any
 import deepspeed
 from torch import nn
 
-from distill_kit import distributed
-from distill_kit.models import active_transformers_config
+from distill_kit.engines import distributed
+from distill_kit.engines.models import active_transformers_config
 
 
 def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | None = None) -> Path:

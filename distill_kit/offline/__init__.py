@@ -1,0 +1,1 @@
+"""Offline distillation: capture the teacher once into a store, then train from it."""
