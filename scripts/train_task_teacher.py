@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=float("inf"), help="stop early (and save) after this")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
@@ -70,10 +71,13 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % 250 == 0 or step == args.steps:
+        out_of_time = time.time() - started > args.max_seconds
+        if step % 250 == 0 or step == args.steps or out_of_time:
             accuracy = exact_match(model, tokenizer, heldout)
             log.append({"step": step, "loss": loss.item(), "exact_match": accuracy, "seconds": time.time() - started})
             print(json.dumps(log[-1]), flush=True)
+        if out_of_time:
+            break
     args.out.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
