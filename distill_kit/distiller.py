@@ -2,6 +2,7 @@
 
 Each hook does one thing and can be overridden alone by research code::
 
+    batch = self.make_batch(batch)                 # on-policy: samples replace a fraction of the answers
     teacher_out = self.teacher_forward(batch)      # no_grad, ZeRO-3 shards gathered layer by layer
     student_out = self.student_forward(batch)      # ZeRO-2 engine
     loss = self.compute_loss(student_out, teacher_out, batch)
@@ -28,6 +29,7 @@ from distill_kit.run import evaluation
 from distill_kit.training import nonfinite
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Batch, Trainer
+from distill_kit.training.on_policy import Sampler
 from losses import DistillationLoss, LossOutput, build_loss
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -81,6 +83,10 @@ class Distiller(Trainer):
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
         self.student = build_student(student_model, self.loss, self.student_ds_config)
+        on_policy = self.training.on_policy
+        self.sampler = (Sampler(on_policy, lambda: self.student_model) if on_policy.sampler == "student" else
+                        Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
+                                synced=distributed.world_size() > 1))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
@@ -93,6 +99,11 @@ class Distiller(Trainer):
             "output_hidden_states": self.loss.needs_hidden_states,
             "output_attentions": self.loss.needs_attentions,
         }
+
+    def make_batch(self, batch: Batch) -> Batch:
+        """Each micro-batch as trained on, before the step counts its tokens (the loop calls it): with
+        ``training.on_policy.fraction`` > 0 a share of its rows become prompt + sample (``on_policy.py``)."""
+        return self.sampler(batch)
 
     def teacher_forward(self, batch: Batch) -> Any:
         with torch.no_grad():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from distill_kit.training.on_policy import OnPolicyConfig
 
 DType = Literal["fp32", "bf16", "fp16"]
 
@@ -40,6 +42,8 @@ class TrainingConfig:
     """Complete checkpoints kept; the oldest is deleted only once a newer one is complete."""
     max_bad_steps: int = 3
     """Non-finite (NaN/inf loss or gradient) steps in a row that stop the run; fewer are skipped and counted."""
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -60,3 +64,5 @@ class TrainingConfig:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid training settings: {values}")
         self.betas = tuple(self.betas)
+        if isinstance(self.on_policy, dict):
+            self.on_policy = OnPolicyConfig(**self.on_policy)

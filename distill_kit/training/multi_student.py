@@ -58,6 +58,11 @@ class MultiStudentDistiller(Trainer):
     ):
         super().__init__(training)
         specs = student_specs(students)
+        if self.training.on_policy.fraction > 0 and len(specs) > 1:
+            raise ValueError(
+                f"training.on_policy.fraction={self.training.on_policy.fraction} with {len(specs)} students: each "
+                "student would sample its own completions, so they could not share batches or the teacher's forward "
+                "(the point of a group). Distil them in separate runs, or set training.on_policy.fraction: 0")
         teacher_facts = models.facts(teacher)
         student_facts = {spec.name: models.facts(spec.model) for spec in specs}
         requests = {spec.name: dict(
@@ -97,6 +102,10 @@ class MultiStudentDistiller(Trainer):
                                 for flag in ("output_hidden_states", "output_attentions")}
         with torch.no_grad():
             return self.teacher(**inputs)
+
+    def make_batch(self, batch: Batch) -> Batch:
+        """The one student's samples when it is on-policy (several on-policy students are refused above)."""
+        return next(iter(self.students.values())).make_batch(batch) if len(self.students) == 1 else batch
 
     def training_step(self, batch: Batch) -> dict[str, LossOutput]:
         """One micro-batch: the teacher's forward, then every student's half of the single-student step.
