@@ -34,7 +34,10 @@ def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
 def _check_equivalence(result: dict) -> None:
     assert result["mismatched_samples"] == 0  # every sample is the current student's greedy continuation
     assert result["max_param_change"] > 1e-3
-    assert result["max_param_diff"] < 2e-6
+    # 3 AdamW steps of size ~3e-3: float32 rounding of reverse KL's gradient (summed in another order than the
+    # reference's) is amplified on near-zero gradients by Adam's 1/sqrt(v); a wrong sample, mask or normaliser
+    # moves a parameter by ~1e-3.
+    assert result["max_param_diff"] < 2e-5
     assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
     assert result["sampled_per_batch"] == [2] * len(result["sampled_per_batch"])  # round(2/3 * 3) rows
     assert result["counted_after_eos"] == 0

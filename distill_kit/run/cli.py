@@ -133,6 +133,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
+    if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
+        from distill_kit.tasks import compare
+        return compare.run(config, resume)
     out = Path(config.output_dir)
     for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
         if path is not None and _looks_local(path) and not Path(path).is_dir():
@@ -216,5 +219,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
     if summary is not None and distributed.is_main():
-        print(json.dumps(summary["students"], indent=2))
+        print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     return 0
