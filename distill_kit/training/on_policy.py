@@ -125,7 +125,8 @@ class Sampler:
         for i, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt, 1
         options: dict[str, Any] = {"do_sample": config.temperature > 0, "max_new_tokens": config.max_new_tokens,
-                                   "pad_token_id": pad, "eos_token_id": eos, "synced_gpus": self.synced}
+                                   "pad_token_id": pad, "eos_token_id": eos, "synced_gpus": self.synced,
+                                   "use_cache": True}  # a training config often turns the cache off
         if config.temperature > 0:
             options.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or None)
         if self.static_cache(model, ids.device):

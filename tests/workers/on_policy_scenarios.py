@@ -225,6 +225,7 @@ def seq_kd(out: Path, teacher: Path, student: Path) -> None:
 
 def main() -> None:
     out, scenarios = Path(sys.argv[1]), sys.argv[2].split(",")
+    distributed.init()  # before saved_pair: it writes on rank 0 only once ranks know who they are
     teacher, student = saved_pair(out)
     for name in scenarios:
         globals()[name](out, teacher, student)
