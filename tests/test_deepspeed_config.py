@@ -111,7 +111,9 @@ def test_unreadable_configs_are_clear(tmp_path):
 
 
 SHIPPED = load(ROOT / "configs/zero2_student.json")
-SCHEDULER = SHIPPED["scheduler"]
+# A student config that states its schedule, DeepSpeed style (the shipped one leaves it to the run).
+WITH_SCHEDULER = SHIPPED | {"scheduler": {"type": "WarmupDecayLR", "params": {
+    "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -136,9 +138,9 @@ SCHEDULER = SHIPPED["scheduler"]
 def test_explicit_values_that_contradict_the_run_name_both(override, message):
     training = TrainingConfig(max_steps=50, micro_batch_size=4, gradient_accumulation_steps=2, lr=3e-4,
                               betas=(0.9, 0.95), weight_decay=0.1, warmup_steps=5, max_grad_norm=0.7, dtype="bf16")
+    pair(WITH_SCHEDULER, ROOT / "configs/zero3_teacher.json", training=training)  # as written, it agrees
     with pytest.raises(DeepSpeedConfigError) as err:
-        pair(ROOT / "configs/zero2_student.json", ROOT / "configs/zero3_teacher.json", training=training,
-             student_overrides=override)
+        pair(WITH_SCHEDULER, ROOT / "configs/zero3_teacher.json", training=training, student_overrides=override)
     assert message in str(err.value)
 
 

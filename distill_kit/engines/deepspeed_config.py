@@ -3,7 +3,7 @@
 Users write configs the way DeepSpeed and Accelerate document them: JSON or HJSON with trailing commas
 and ``"auto"`` values. Here they are loaded, every ``"auto"`` is filled from the run's
 :class:`~distill_kit.training.config.TrainingConfig` and the model's hidden size (the same rules transformers
-uses), and the student and teacher configs are checked against each other. Every problem is gathered and
+uses), and every config is checked against the run (below). Every problem is gathered and
 reported at once, each with its fix, because DeepSpeed itself silently ignores misplaced keys such as
 ``"zero_optimization.stage3_prefetch_bucket_size"`` written at the top level.
 
@@ -207,7 +207,8 @@ def _check_precision(config: Mapping[str, Any], training: TrainingConfig, name: 
     if enabled["bf16"] is True and enabled["fp16"] is True:
         return [f'{name}: bf16 and fp16 are both enabled; set both "enabled" to "auto" to follow training.dtype '
                 f"({training.dtype!r})"]
-    return [_disagrees(name, f"{kind}.enabled", on, "dtype", training.dtype)
+    return [f"{name}: {kind}.enabled is {on!r} but the run's training.dtype is {training.dtype!r}; set "
+            f"{kind}.enabled to \"auto\" (or leave it out)" + (f", or training.dtype to {kind!r}" if on is True else "")
             for kind, on in enabled.items() if on != (training.dtype == kind)]
 
 
