@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distill_kit import TrainingConfig
-from distill_kit.training.schedule import lr_factor, scheduler
+from distill_kit.training.schedule import lr_factor, resync, scheduler
 
 
 @pytest.mark.parametrize("settings, factors", [
@@ -41,3 +41,22 @@ def test_schedule_settings_out_of_range_are_named():
         TrainingConfig(lr_schedule="step")
     with pytest.raises(ValueError, match="min_lr_ratio=1.5"):
         TrainingConfig(min_lr_ratio=1.5)
+
+
+def test_a_resumed_run_with_more_steps_takes_its_next_step_at_the_new_schedules_lr():
+    """Saved after 2 of 4 steps (warm-up 0, linear), resumed with max_steps 8: step 3 uses lr * 6/8, not 2/4."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    first = scheduler(optimizer, TrainingConfig(lr=1.0, max_steps=4))
+    for _ in range(2):
+        optimizer.step()
+        first.step()
+    saved_optimizer, saved_scheduler = optimizer.state_dict(), first.state_dict()
+    assert saved_optimizer["param_groups"][0]["lr"] == 0.5  # the old schedule's step 3
+
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    engine = type("Engine", (), {"lr_scheduler": scheduler(optimizer, TrainingConfig(lr=1.0, max_steps=8))})()
+    optimizer.load_state_dict(saved_optimizer)
+    engine.lr_scheduler.load_state_dict(saved_scheduler)
+    resync(engine)
+    assert optimizer.param_groups[0]["lr"] == 0.75

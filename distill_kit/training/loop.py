@@ -33,7 +33,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from distill_kit.engines import distributed
-from distill_kit.training import checkpoint, nonfinite, preemption
+from distill_kit.training import checkpoint, nonfinite, preemption, schedule
 from distill_kit.training.config import TrainingConfig
 from losses import LossOutput
 from losses.base import valid_positions
@@ -93,6 +93,7 @@ class Trainer:
         engines = self.engines()
         for engine in engines.values():
             engine.train()
+            schedule.resync(engine)  # a resumed run may have a new max_steps: the next step's lr is the schedule's
         self.stopped_by = None
         first = len(self.history)
         micro_batches = self._micro_batches(batches)

@@ -48,3 +48,17 @@ def scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig) -> tor
         return lr_factor(taken + 1, training)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def resync(engine: object) -> None:
+    """Put the engine's lr at its schedule's value for the next step, from the count of steps taken.
+
+    After a checkpoint load the count is the checkpoint's while the lr is whatever the optimizer state held; a
+    resumed run with a new ``max_steps`` (or a DeepSpeed layout that does not save the lr) would otherwise take its
+    first step at a stale lr. In every other case this sets the value already there.
+    """
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                        strict=True):
+            group["lr"] = base * factor(scheduler.last_epoch)
