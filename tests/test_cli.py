@@ -85,7 +85,12 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
     assert set(students) == {"distilled", "no_teacher"}
     assert "perplexity_reduction_vs_no_teacher" in students["distilled"]
     assert [e["step"] for e in report["evaluations"]] == [3, 6]
-    assert (out / "loss_curves.png").stat().st_size > 0
+    # The engines ran the run config's optimizer settings, and the report says so.
+    engine = report["deepspeed_configs"]["students"]["distilled"]
+    assert engine["optimizer"]["params"]["betas"] == report["config"]["training"]["betas"] == [0.9, 0.95]
+    assert engine["gradient_clipping"] == report["config"]["training"]["max_grad_norm"]
+    assert [r["distilled/lr"] for r in _jsonl(out / "train.jsonl")] == pytest.approx(
+        [3e-3 * f for f in (1 / 20, 2 / 20, 3 / 20, 4 / 20, 5 / 20, 6 / 20)], rel=1e-12)  # warm-up 20 > 6 steps
     for name in students:
         # The exported student reloads and reproduces the perplexity measured on the model in training.
         exported = _heldout_perplexity(out / "students" / name, tiny)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -63,13 +64,36 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
     if unknown:
         raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
                           f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
+    init = _with_head_dim(student, model_config)
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main():
-        model_config.update(dict(student.init))
+        model_config.update(init)
         torch.manual_seed(config.training.seed)
         AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
     distributed.barrier()
     return StudentSpec(model=str(path), **spec)
+
+
+def _with_head_dim(student: StudentConfig, teacher_config: Any) -> dict[str, Any]:
+    """``init`` with ``head_dim`` derived when it changes the width or the heads but not ``head_dim``: the
+    teacher's would otherwise stay (``hidden_size: 32`` with 2 heads would build 128-wide attention)."""
+    init = dict(student.init)
+    head_dim = getattr(teacher_config, "head_dim", None)
+    if head_dim is None or "head_dim" in init:
+        return init
+    hidden, heads = teacher_config.hidden_size, teacher_config.num_attention_heads
+    new = copy.deepcopy(teacher_config)
+    new.update(init)
+    if (new.hidden_size, new.num_attention_heads) == (hidden, heads):
+        return init
+    where = f"students[{student.name}].init"
+    if head_dim * heads != hidden:
+        raise ConfigError(f"{where} changes hidden_size/num_attention_heads, and the teacher's head_dim ({head_dim}) "
+                          f"is not its hidden_size/num_attention_heads ({hidden}/{heads}); give head_dim too")
+    if new.hidden_size % new.num_attention_heads:
+        raise ConfigError(f"{where}: hidden_size {new.hidden_size} is not divisible by num_attention_heads "
+                          f"{new.num_attention_heads}; change one of them, or give head_dim")
+    return init | {"head_dim": new.hidden_size // new.num_attention_heads}
 
 
 # Settings that may change when a run is resumed; everything else must match the run in output_dir.
@@ -193,7 +217,10 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
                      for s in config.students}
         extra = {"seconds": time.time() - started, "world_size": world,
-                 "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
+                 "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size,
+                 # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
+                 "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
+                                       "teacher": students.teacher_ds_config}}
         summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")

@@ -33,7 +33,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from distill_kit.engines import distributed
-from distill_kit.training import checkpoint, nonfinite, preemption
+from distill_kit.training import checkpoint, nonfinite, preemption, schedule
 from distill_kit.training.config import TrainingConfig
 from losses import LossOutput
 from losses.base import valid_positions
@@ -93,6 +93,7 @@ class Trainer:
         engines = self.engines()
         for engine in engines.values():
             engine.train()
+            schedule.resync(engine)  # a resumed run may have a new max_steps: the next step's lr is the schedule's
         self.stopped_by = None
         first = len(self.history)
         micro_batches = self._micro_batches(batches)
@@ -105,6 +106,8 @@ class Trainer:
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)
                 started = time.perf_counter()
+                # The lr this step uses: read before the engines step, which moves each to the next step's.
+                lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
                 sums: dict[str, torch.Tensor] = {}
                 for batch in step_batches:
                     for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
@@ -112,9 +115,7 @@ class Trainer:
                             key = _key(name, part)
                             sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
-                record = dict(zip(sums, means.tolist(), strict=True)) | {
-                    _key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()
-                }
+                record = dict(zip(sums, means.tolist(), strict=True)) | lrs
                 applied = self.nonfinite.all_or_none(
                     self.step + 1, {name: engine.was_step_applied() for name, engine in engines.items()}, record)
                 if self.nonfinite.counts(self.step + 1, record, applied):
