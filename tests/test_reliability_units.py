@@ -8,6 +8,8 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -321,3 +323,25 @@ def test_rank_state_holds_only_json_and_tensors(tmp_path):
     with pytest.raises(TypeError, match=r"rank state .data: a set cannot be stored safely"):
         checkpoint.save(tmp_path, FakeEngine(), step=1, trainer_state={}, rank_state={"data": {1}},
                         teacher_sha256=None, keep_last=1)
+
+
+def test_a_second_ctrl_c_interrupts_through_nested_stop_requests():
+    """The CLI holds a request around the loop's own: the second Ctrl-C must still interrupt, and a second
+    SIGTERM must still end the process (the handler from before both is put back)."""
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest(torch.device("cpu")) as outer:
+        with pytest.raises(KeyboardInterrupt), StopRequest(torch.device("cpu")) as inner:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert inner.received == outer.received == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous
+    code = ("import os, signal, time, torch\n"
+            "from distill_kit.training.preemption import StopRequest\n"
+            "with StopRequest(torch.device('cpu')), StopRequest(torch.device('cpu')):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(1)\n"
+            "print('survived')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == -signal.SIGTERM and "survived" not in done.stdout, done.stderr
