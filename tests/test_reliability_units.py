@@ -21,8 +21,8 @@ from torch import nn
 from distill_kit import TrainingConfig
 from distill_kit.distiller import check_vocabularies
 from distill_kit.training import checkpoint
-from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
 from distill_kit.training.loop import Trainer
+from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
 from distill_kit.training.preemption import StopRequest
 
 HASH = "a" * 64

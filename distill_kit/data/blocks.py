@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import codecs
 import itertools
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path

@@ -18,13 +18,13 @@ Every rank writes into ``.partial-step_N``; after a barrier rank 0 hashes the fi
 the directory to ``step_N`` (one atomic rename), then deletes verified checkpoints older than the newest
 ``keep_last`` verified ones (a corrupt one never takes a slot, and is left to inspect). A process killed at
 any moment therefore leaves the previous checkpoints untouched, and one whose manifest is missing or does not match
-its files is skipped with a warning, never loaded.
+its files is skipped with a warning, never loaded. All ranks must reach the same directory (a shared filesystem,
+which DeepSpeed's own resume of sharded optimizer states needs anyway).
 
 Trust: this module writes and reads only JSON and safetensors, which cannot execute code when loaded (a
 checkpoint of the older pickle format is read with ``torch.load(weights_only=True)``). The engines' own files
 under ``deepspeed/`` (or ``<name>/``) are DeepSpeed's, and DeepSpeed 0.19 reads them with
-``torch.load(weights_only=False)``: resume only checkpoints you or someone you trust wrote (see the README). All ranks must reach the same directory (a shared filesystem,
-which DeepSpeed's own resume of sharded optimizer states needs anyway).
+``torch.load(weights_only=False)``: resume only checkpoints you or someone you trust wrote (see the README).
 """
 
 from __future__ import annotations
@@ -467,13 +467,16 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool) -> None:
+def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool,
+                     record: bool = True) -> None:
     """Refuse an output directory that holds another run; record this run's identity in a new one.
 
     ``run_identity`` is what must not change across a resume (e.g. the run config without logging settings);
     it is stored as ``run_identity.json``. A directory with the same identity is accepted when resuming, and
     also when not resuming as long as it holds no checkpoint (starting over would mix two runs' checkpoints).
-    Call it on rank 0 before training, then barrier.
+    ``resume`` in a directory that holds no run is an error (it would start a new run where the user meant to
+    continue one). With ``record=False`` nothing is written (a check before any work). Call it on rank 0 before
+    training, then barrier.
     """
     directory = Path(directory)
     identity = json.loads(json.dumps(run_identity, default=str))  # as it will read back from disk
@@ -493,10 +496,17 @@ def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, 
                 "new output directory to start over."
             )
         return
+    if resume:
+        raise ValueError(
+            f"--resume: output directory {directory} holds no run to resume (no {RUN_IDENTITY}). Give the stopped "
+            "run's output_dir, or leave out --resume to start a new run."
+        )
     if directory.is_dir() and any(directory.iterdir()):
         raise ValueError(
             f"output directory {directory} is not empty and holds no {RUN_IDENTITY}: it is not a distill-kit run. "
             "Choose an empty or new output directory."
         )
+    if not record:
+        return
     directory.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))
