@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -135,9 +136,15 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
 
 
 def _main_error(*args: str) -> str:
-    """The message the CLI stops with (in this process: nothing is loaded before these errors)."""
-    with pytest.raises(SystemExit) as stopped:
-        cli.main(list(args))
+    """The message the CLI stops with (in this process: nothing is loaded before these errors). The rendezvous
+    variables a one-rank start sets are put back, so that ranks launched later pick their own port."""
+    environment = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
     assert isinstance(stopped.value.code, str) and stopped.value.code.startswith("config error: ")
     return stopped.value.code
 

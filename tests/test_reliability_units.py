@@ -345,3 +345,17 @@ def test_a_second_ctrl_c_interrupts_through_nested_stop_requests():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == -signal.SIGTERM and "survived" not in done.stdout, done.stderr
+
+
+class _FullDisk(FakeEngine):
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; basic_ios::clear: iostream "
+                           "error")
+
+
+def test_a_failed_save_names_the_folder_and_the_free_space(tmp_path):
+    with pytest.raises(OSError, match=r"could not write checkpoint .*\.partial-step_00000004: .*iostream error\. "
+                                      r"[0-9.]+ GB free on the disk of .*free space or choose another"):
+        save(tmp_path, 4, engine=_FullDisk())
+    save(tmp_path, 5)  # the next save clears what the failed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
