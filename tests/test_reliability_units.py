@@ -16,6 +16,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from torch import nn
 
 from distill_kit import TrainingConfig
@@ -359,3 +362,38 @@ def test_a_failed_save_names_the_folder_and_the_free_space(tmp_path):
         save(tmp_path, 4, engine=_FullDisk())
     save(tmp_path, 5)  # the next save clears what the failed one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+
+
+class _DeepSpeedLikeEngine(FakeEngine):
+    """Saves and loads its weights through DeepSpeed's own checkpoint engine, as a real engine does."""
+
+    def __init__(self, payload: object):
+        super().__init__()
+        self.payload, self.checkpoint_engine, self.loaded = payload, TorchCheckpointEngine(), None
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        (Path(save_dir) / tag).mkdir(parents=True)
+        self.checkpoint_engine.save(self.payload, str(Path(save_dir) / tag / "optim_states.pt"))
+
+    def load_checkpoint(self, load_dir: str, tag: str):
+        self.loaded = self.checkpoint_engine.load(str(Path(load_dir) / tag / "optim_states.pt"))
+        return super().load_checkpoint(load_dir, tag)
+
+
+def test_deepspeed_files_are_read_without_running_code(tmp_path):
+    """DeepSpeed unpickles its files with weights_only=False; during load() they are read with weights_only and
+    only the plain types its ZeRO states hold."""
+    state = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "exp_avg": torch.ones(3)}
+    path = checkpoint.save(tmp_path / "ckpt", _DeepSpeedLikeEngine(state), step=1, trainer_state={}, rank_state={},
+                           teacher_sha256=None, keep_last=1)
+    engine = _DeepSpeedLikeEngine(None)
+    checkpoint.load(path, engine, teacher_sha256=None)
+    assert engine.loaded["zero_stage"] is ZeroStageEnum.gradients and torch.equal(engine.loaded["exp_avg"],
+                                                                                  torch.ones(3))
+    assert engine.checkpoint_engine.load.__func__ is TorchCheckpointEngine.load  # DeepSpeed's own again after
+    marker = tmp_path / "ran"
+    torch.save({"exp_avg": _RunsCode(marker)}, path / "deepspeed/optim_states.pt")
+    _reseal(path)
+    with pytest.raises(ValueError, match="refusing DeepSpeed checkpoint file .*optim_states.pt: it holds more than"):
+        checkpoint.load(path, _DeepSpeedLikeEngine(None), teacher_sha256=None)
+    assert not marker.exists()

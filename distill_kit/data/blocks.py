@@ -69,7 +69,8 @@ class DataConfig:
     max_heldout_blocks: int | None = None
     """Keep only the first N held-out blocks (bounds evaluation time)."""
     streaming: bool = False
-    """Read and tokenise lazily instead of writing the Arrow cache; see :class:`StreamingBlockLoader`."""
+    """Read and tokenise lazily instead of writing the Arrow cache; see :class:`StreamingBlockLoader`. Needs
+    ``heldout`` files; the CLI reads the held-out blocks (at most ``max_heldout_blocks``) into memory."""
     seed: int = 0
     num_proc: int | None = None
     """Processes for tokenisation; None tokenises in this process."""

@@ -33,9 +33,11 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,10 @@ import numpy as np
 import safetensors.torch
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from torch import nn
 
 from distill_kit.engines import distributed
@@ -61,6 +67,11 @@ FORMAT = 2
 """2: each rank's state as JSON + safetensors. 1: as a pickle (``rank*.pt``), read only with weights_only."""
 TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
+DEEPSPEED_GLOBALS: list[Any] = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
+"""What DeepSpeed 0.19's engine files hold besides tensors and containers (its ZeRO optimizer states: a loss-scaler
+record, the address of each parameter fragment, the ZeRO stage): plain data types, so that :func:`load` reads the
+engines' files with ``torch.load(weights_only=True)`` allowing only these. A file that needs another type is
+refused, naming it; a type you know to be plain data can be appended here."""
 Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
 """One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
 
@@ -446,12 +457,41 @@ def load(
     problems = [p for p in distributed.all_gather_object(problem) if p is not None]
     if problems:  # every rank stops together, none is left waiting in the engines' collectives
         raise ValueError(problems[0])
-    for folder, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(str(path), tag=folder)
-        if loaded is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
+    with _weights_only(engines.values()):
+        for folder, engine in engines.items():
+            loaded, _ = engine.load_checkpoint(str(path), tag=folder)
+            if loaded is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     return trainer_state, rank_state
+
+
+def _load_weights_only(path: str, map_location: Any = None) -> Any:
+    """DeepSpeed's ``TorchCheckpointEngine.load``, without pickle's power to run code (see DEEPSPEED_GLOBALS)."""
+    try:
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"refusing DeepSpeed checkpoint file {path}: it holds more than tensors and plain data, and loading it "
+            f"could run code ({str(err).splitlines()[0]}). If you wrote it and the type it names is plain data, "
+            "append that type to distill_kit.training.checkpoint.DEEPSPEED_GLOBALS."
+        ) from None
+
+
+@contextmanager
+def _weights_only(engines: Iterable[Any]) -> Iterator[None]:
+    """While loading, the engines read their files through :func:`_load_weights_only` (DeepSpeed's own
+    ``TorchCheckpointEngine`` unpickles them with ``weights_only=False``); other checkpoint engines are left."""
+    patched = [e.checkpoint_engine for e in engines
+               if isinstance(getattr(e, "checkpoint_engine", None), TorchCheckpointEngine)]
+    for checkpoint_engine in patched:
+        checkpoint_engine.load = _load_weights_only
+    try:
+        yield
+    finally:
+        for checkpoint_engine in patched:
+            del checkpoint_engine.load
 
 
 # ---- the output directory --------------------------------------------------------------------------------
