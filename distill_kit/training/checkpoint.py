@@ -21,10 +21,11 @@ any moment therefore leaves the previous checkpoints untouched, and one whose ma
 its files is skipped with a warning, never loaded. All ranks must reach the same directory (a shared filesystem,
 which DeepSpeed's own resume of sharded optimizer states needs anyway).
 
-Trust: this module writes and reads only JSON and safetensors, which cannot execute code when loaded (a
-checkpoint of the older pickle format is read with ``torch.load(weights_only=True)``). The engines' own files
-under ``deepspeed/`` (or ``<name>/``) are DeepSpeed's, and DeepSpeed 0.19 reads them with
-``torch.load(weights_only=False)``: resume only checkpoints you or someone you trust wrote (see the README).
+Trust: this module writes and reads its own state only as JSON and safetensors, which cannot execute code when
+loaded (a checkpoint of the older pickle format is read with ``torch.load(weights_only=True)``). The engines' own
+files under ``deepspeed/`` (or ``<name>/``) are DeepSpeed's pickles, which DeepSpeed 0.19 reads with
+``torch.load(weights_only=False)``; :func:`load` swaps that for ``weights_only=True`` allowing only the plain
+types of :data:`DEEPSPEED_GLOBALS`. What still needs trust is listed in the README.
 """
 
 from __future__ import annotations
