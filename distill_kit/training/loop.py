@@ -188,13 +188,16 @@ class Trainer:
         """Load the latest complete checkpoint under ``directory`` (default ``training.checkpoint_dir``).
 
         Returns its path, or None when there is none yet (a fresh start). Incomplete or corrupt checkpoints are
-        skipped with a warning; rank 0 chooses, so every rank loads the same one.
+        skipped with a warning; when every checkpoint there is, it raises rather than start again from step 0.
+        Rank 0 chooses, so every rank loads the same one.
         """
         directory = directory if directory is not None else self.training.checkpoint_dir
         if directory is None:
             raise ValueError("nothing to resume from: pass a directory to resume(), or set training.checkpoint_dir")
-        found = checkpoint.latest_complete(directory) if distributed.is_main() else None
-        found = distributed.broadcast_object(found)
+        found, skipped = checkpoint.find_latest(directory) if distributed.is_main() else (None, [])
+        found, skipped = distributed.broadcast_object((found, skipped))
+        if found is None and skipped:
+            raise ValueError(checkpoint.nothing_to_resume(directory, skipped))
         if found is not None:
             self._load(found)
         return found
