@@ -69,7 +69,6 @@ def measure_generation(args, device: torch.device) -> list[dict]:
             results.append({"batch": batch, "cache": cache, "new_tokens": new, "seconds": seconds,
                             "new_tokens_per_s": new / seconds})
             print(json.dumps(results[-1]), flush=True)
-    del model
     return results
 
 

@@ -1,7 +1,8 @@
 """Train the arithmetic task's teacher (``distill_kit/assets/arithmetic/teacher``) on fresh examples every step.
 
-Plain PyTorch (on a GPU when there is one), answer tokens only (the prompt is given), AdamW with warm-up and cosine decay; the
-teacher sees a new seeded batch each step, so it learns the procedure rather than a fixed set of answers.
+Plain PyTorch (on a GPU when there is one), answer tokens only (the prompt is given), AdamW with warm-up and
+cosine decay; the teacher sees a new seeded batch each step, so it learns the procedure rather than a fixed set
+of answers.
 Greedy exact-match accuracy on held-out prompts is printed as it trains and stored in ``training.json``::
 
     python scripts/train_task_teacher.py                       # ~0.8M parameters, writes the shipped teacher
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distill_kit.data import chat  # noqa: E402
 from distill_kit.tasks import arithmetic  # noqa: E402
 from distill_kit.tasks.evaluate import exact_match  # noqa: E402
 
@@ -61,8 +63,8 @@ def main() -> None:
     heldout = list(arithmetic.examples(seeds["heldout"], 500))
     started, log = time.time(), []
     for step in range(1, args.steps + 1):
-        batch = arithmetic.collate([arithmetic.encode(tokenizer, next(stream)) for _ in range(args.batch)],
-                                   tokenizer.pad_token_id)
+        rows = [arithmetic.encode(tokenizer, next(stream)) for _ in range(args.batch)]
+        batch = chat.pad_rows([ids for ids, _ in rows], [labels for _, labels in rows], tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1))

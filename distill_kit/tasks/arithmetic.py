@@ -125,18 +125,3 @@ def encode(tokenizer, item: Example, with_answer: bool = True) -> tuple[list[int
         return prompt, [-100] * len(prompt)
     answer = [*(vocab[c] for c in item.answer), vocab[SPECIAL["eos"]]]
     return prompt + answer, [-100] * len(prompt) + answer
-
-
-def collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (the batch contract of the chat data)."""
-    import torch
-
-    length = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), -100, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, (ids, lab) in enumerate(rows):
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        labels[i, :len(ids)] = torch.tensor(lab)
-        mask[i, :len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from distill_kit.data import chat
+from distill_kit.data.blocks import DataConfig
 from distill_kit.distiller import Distiller
 from distill_kit.engines import distributed
 from distill_kit.run.run_config import ConfigError, RunConfig, to_dict
@@ -38,25 +39,25 @@ from distill_kit.tasks.evaluate import exact_match
 from distill_kit.training.on_policy import OnPolicyConfig
 
 logger = logging.getLogger(__name__)
-Rows = list[tuple[list[int], list[int]]]
 
 
-class Batches:
-    """Micro-batches drawn from pools of encoded rows, a new shuffle each epoch: ``shares`` rows from each pool
-    per batch (e.g. 16 answered + 16 prompts). Re-iterable, so the loop reads as many epochs as it needs."""
+class Mixed:
+    """Micro-batches of half answered rows, half prompts: one micro-batch of each loader, rows side by side."""
 
-    def __init__(self, pools: list[Rows], shares: list[int], pad_id: int, seed: int):
-        self.pools, self.shares, self.pad_id, self.seed, self.epoch = pools, shares, pad_id, seed, 0
+    def __init__(self, answered: chat.ChatLoader, prompts: chat.ChatLoader, pad_id: int):
+        self.answered, self.prompts, self.pad_id = answered, prompts, pad_id
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        rng = random.Random(self.seed * 1000 + self.epoch)
-        self.epoch += 1
-        orders = [rng.sample(range(len(pool)), len(pool)) for pool in self.pools]
-        batches = min(len(pool) // share for pool, share in zip(self.pools, self.shares, strict=True))
-        for b in range(batches):
-            rows = [pool[i] for pool, order, share in zip(self.pools, orders, self.shares, strict=True)
-                    for i in order[b * share:(b + 1) * share]]
-            yield arithmetic.collate(rows, self.pad_id)
+        for a, p in zip(self.answered, self.prompts, strict=False):
+            rows = [(ids[m.bool()].tolist(), lab[m.bool()].tolist()) for part in (a, p)
+                    for ids, lab, m in zip(part["input_ids"], part["labels"], part["attention_mask"], strict=True)]
+            yield chat.pad_rows([r[0] for r in rows], [r[1] for r in rows], self.pad_id)
+
+
+def chat_split(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
+    """The task's JSONL records tokenised by the chat data pipeline (the teacher's template, answers counted)."""
+    return chat.build_splits(DataConfig(train=str(train), heldout=str(heldout), format="chat", block_size=128),
+                             tokenizer)
 
 
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
@@ -78,17 +79,16 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     labelled = list(arithmetic.examples(seeds["labelled"], task.labelled))
     prompts = list(arithmetic.examples(seeds["prompts"], task.prompts))
     heldout = list(arithmetic.examples(seeds["heldout"], task.heldout))
-    arithmetic.write_jsonl(out / "data" / "labelled.jsonl", labelled, with_answers=True)
-    arithmetic.write_jsonl(out / "data" / "prompts.jsonl", prompts, with_answers=False)
-    arithmetic.write_jsonl(out / "data" / "heldout.jsonl", heldout, with_answers=True)
-    answered = [arithmetic.encode(tokenizer, item) for item in labelled]
-    unanswered = [arithmetic.encode(tokenizer, item, with_answer=False) for item in prompts]
-    pad, mbs, seed = tokenizer.pad_token_id, config.training.micro_batch_size, config.training.seed
-    heldout_batches = [arithmetic.collate([arithmetic.encode(tokenizer, i) for i in heldout[s:s + 100]], pad)
-                       for s in range(0, len(heldout), 100)]
-    data = {"labelled": lambda: Batches([answered], [mbs], pad, seed),
-            "prompts": lambda: Batches([unanswered], [mbs], pad, seed),
-            "mixed": lambda: Batches([answered, unanswered], [mbs - mbs // 2, mbs // 2], pad, seed)}
+    files = {name: arithmetic.write_jsonl(out / "data" / f"{name}.jsonl", items, with_answers=name != "prompts")
+             for name, items in (("labelled", labelled), ("prompts", prompts), ("heldout", heldout))}
+    answered = chat_split(tokenizer, files["labelled"], files["heldout"])
+    unanswered = chat_split(tokenizer, files["prompts"], files["heldout"]).train
+    pad, mbs, seed = chat.pad_id_of(tokenizer), config.training.micro_batch_size, config.training.seed
+    heldout_batches = chat.ChatLoader(answered.heldout, 100, pad_id=pad, shuffle=False, drop_last=False)
+    data = {"labelled": lambda: chat.ChatLoader(answered.train, mbs, pad_id=pad, seed=seed),
+            "prompts": lambda: chat.ChatLoader(unanswered, mbs, pad_id=pad, seed=seed),
+            "mixed": lambda: Mixed(chat.ChatLoader(answered.train, mbs - mbs // 2, pad_id=pad, seed=seed),
+                                   chat.ChatLoader(unanswered, mbs // 2, pad_id=pad, seed=seed), pad)}
     sampling = dataclasses.replace(config.training.on_policy, max_new_tokens=task.max_new_tokens,
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
 
@@ -96,7 +96,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
                                        on_policy=on_policy or OnPolicyConfig())
         distiller = Distiller(start, config.teacher, loss=loss, training=training,
-                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config)
+                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
+                              student_ds_overrides=config.student_ds_overrides,
+                              teacher_ds_overrides=config.teacher_ds_overrides)
         distiller.train(data[batches]())
         return distiller
 

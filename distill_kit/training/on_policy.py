@@ -169,11 +169,12 @@ class Sampler:
 
 
 def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:
-    """Row ``row``'s tokens before its first counted label; all its real tokens when it has no label."""
-    counted = (batch["labels"][row] != IGNORE_INDEX).nonzero()
-    if len(counted):
-        return batch["input_ids"][row, :int(counted[0])]
-    return batch["input_ids"][row][batch["attention_mask"][row].bool()]
+    """Row ``row``'s prompt (the batch contract's, ``chat.prompt_lengths``): its tokens before the first counted
+    label, or all of its tokens when none counts."""
+    from distill_kit.data.chat import prompt_lengths  # here: chat reads the run config, which reads this module
+
+    return batch["input_ids"][row, :int(prompt_lengths({k: batch[k][row:row + 1] for k in ("labels",
+                                                                                          "attention_mask")}))]
 
 
 def splice(batch: Mapping[str, Any], rows: torch.Tensor, prompts: list[torch.Tensor], samples: list[torch.Tensor],
