@@ -71,6 +71,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         raise ConfigError("the task benchmark runs on one process (its recipes are sized for a CPU); "
                           "run it with plain python")
     out = Path(config.output_dir)
+    if not (Path(config.teacher) / "config.json").is_file():
+        raise ConfigError(f"teacher: {config.teacher!r} is not a saved model directory; the arithmetic task's is "
+                          "distill_kit/assets/arithmetic/teacher (scripts/train_task_teacher.py writes it)")
     if (out / "report.json").exists():
         raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)

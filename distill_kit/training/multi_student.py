@@ -56,13 +56,14 @@ class MultiStudentDistiller(Trainer):
         student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
     ):
-        super().__init__(training)
-        specs = student_specs(students)
-        if self.training.on_policy.fraction > 0 and len(specs) > 1:
+        fraction = (training or TrainingConfig()).on_policy.fraction
+        if fraction > 0 and len(students) > 1:  # before anything starts
             raise ValueError(
-                f"training.on_policy.fraction={self.training.on_policy.fraction} with {len(specs)} students: each "
+                f"training.on_policy.fraction={fraction} with {len(students)} students: each "
                 "student would sample its own completions, so they could not share batches or the teacher's forward "
                 "(the point of a group). Distil them in separate runs, or set training.on_policy.fraction: 0")
+        super().__init__(training)
+        specs = student_specs(students)
         teacher_facts = models.facts(teacher)
         student_facts = {spec.name: models.facts(spec.model) for spec in specs}
         requests = {spec.name: dict(
