@@ -104,3 +104,16 @@ def test_task_comparison_runs_and_writes_the_table(tmp_path):
     assert again.returncode != 0 and "already holds a report.json" in again.stderr
     resumed = _run([*args, "--resume"], 300)
     assert resumed.returncode != 0 and "--resume does not apply to a task benchmark" in resumed.stderr
+
+
+def test_sampling_without_an_end_token_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distill_kit.training.on_policy import Sampler
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=None,
+                                       eos_token_id=None))
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="set training.on_policy.eos_token_id"):
+        Sampler(OnPolicyConfig(fraction=1.0), lambda: model).eos_token_id
+    assert Sampler(OnPolicyConfig(fraction=1.0, eos_token_id=3), lambda: model).pad_token_id == 3
