@@ -115,5 +115,5 @@ def test_sampling_without_an_end_token_is_refused():
                                        eos_token_id=None))
     model.generation_config.eos_token_id = None
     with pytest.raises(ValueError, match="set training.on_policy.eos_token_id"):
-        Sampler(OnPolicyConfig(fraction=1.0), lambda: model).eos_token_id
+        _ = Sampler(OnPolicyConfig(fraction=1.0), lambda: model).eos_token_id
     assert Sampler(OnPolicyConfig(fraction=1.0, eos_token_id=3), lambda: model).pad_token_id == 3

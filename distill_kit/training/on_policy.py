@@ -62,8 +62,9 @@ class OnPolicyConfig:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
     cache: Literal["auto", "static", "dynamic"] = "auto"
-    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (about 2x the new
-    tokens/s of a dynamic one for a 0.5B student on an H200), dynamic on the CPU."""
+    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (1.8x the new
+    tokens/s of a dynamic one for a 0.5B student at batch 256 on an H200, 4x at 64), dynamic on the CPU and for a
+    ZeRO-3 teacher."""
     eos_token_id: int | None = None
     """Token that ends a sample (counted); None reads the sampling model's generation config."""
     pad_token_id: int | None = None
@@ -142,8 +143,11 @@ class Sampler:
         return [out[i, :int(n)] for i, n in enumerate(lengths)]
 
     def static_cache(self, model: nn.Module, device: torch.device) -> bool:
+        """'auto': a static cache (whose decode step transformers compiles) for a whole model on an accelerator;
+        not on the CPU, and not for a ZeRO-3 model (``synced``), whose shards are gathered by hooks at each call."""
         if self.config.cache == "auto":
-            return device.type != "cpu" and bool(getattr(model, "_can_compile_fullgraph", False))
+            return (device.type != "cpu" and not self.synced
+                    and bool(getattr(model, "_can_compile_fullgraph", False)))
         return self.config.cache == "static"
 
     @property
