@@ -20,14 +20,11 @@ from rank_results import gathered, max_diff, saved_pair, write  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
-from distill_kit.engines.deepspeed_config import load  # noqa: E402
 from distill_kit.training.on_policy import OnPolicyConfig  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CONSTANT_LR = {k: v for k, v in load(ROOT / "configs/zero2_student.json").items() if k != "scheduler"}
 STEPS, GAS, MBS, NEW = 3, 2, 3, 10
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS, lr=3e-3,
-                          weight_decay=0.01, max_grad_norm=0.5, log_every=100)
+                          weight_decay=0.01, max_grad_norm=0.5, log_every=100, lr_schedule="constant")
 
 
 def prompt_lengths(rank: int) -> tuple[int, int]:
@@ -142,8 +139,7 @@ def equivalence(out: Path, teacher: Path, student: Path) -> None:
     eos = greedy(plain, first["input_ids"][0, :int(first["attention_mask"][0].sum())], -1, NEW)[2]
     on_policy = OnPolicyConfig(fraction=2 / 3, max_new_tokens=NEW, temperature=0.0, eos_token_id=eos, pad_token_id=0)
     data = rank_batches(distributed.rank(), STEPS * GAS, seed=5)
-    distiller = Recording(student, teacher, loss="reverse_kl", student_ds_config=CONSTANT_LR,
-                          training=replace(TRAINING, on_policy=on_policy))
+    distiller = Recording(student, teacher, loss="reverse_kl", training=replace(TRAINING, on_policy=on_policy))
     history = distiller.train(data)
     mark_sampled(data, distiller.made)
     made = distributed.all_gather_object(distiller.made)
