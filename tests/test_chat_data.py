@@ -368,3 +368,22 @@ def test_cli_refuses_a_dataset_of_prompts_before_training(tiny_chat, tmp_path):
            "record 0 (line 1))" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "init").exists()  # refused before any student was written
+
+
+def test_chat_loader_needs_one_global_batch():
+    with pytest.raises(ConfigError, match=re.escape("the data has 5 conversations but one global batch needs "
+                                                    "world_size (2) x micro_batch_size (4) = 8")):
+        chat.ChatLoader(_dataset([3] * 5), 4, pad_id=0, rank=0, world_size=2)
+
+
+def test_held_out_fraction_splits_the_records(tokenizer, tmp_path):
+    records = [{"messages": [Q1, {"role": "assistant", "content": str(i)}]} for i in range(18)] + [{"prompt": "hi"}] * 2
+    train = _write_jsonl(tmp_path / "train.jsonl", records)
+    config = DataConfig(train=str(train), heldout_fraction=0.25, chat_template="chatml", max_train_blocks=12)
+    splits = chat.build_splits(config, tokenizer)
+    assert (len(splits.train), len(splits.heldout)) == (12, 5)
+    assert set(splits.train["record"]).isdisjoint(splits.heldout["record"])
+    for name, split in (("train", splits.train), ("heldout", splits.heldout)):
+        stats = splits.stats[name]
+        assert stats.prompts == sum(c == 0 for c in split["counted"])
+        assert stats.counted_tokens == sum(sum(label != N for label in row) for row in split["labels"])

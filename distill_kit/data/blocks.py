@@ -67,7 +67,7 @@ class DataConfig:
     num_proc: int | None = None
     """Processes for tokenisation; None tokenises in this process."""
     format: Literal["auto", "text", "chat"] = "auto"
-    """text: raw documents (this module). chat: conversations with 'messages' or 'prompt'/'completion' fields,
+    """text: raw documents, packed into blocks (blocks.py). chat: conversations with 'messages' or 'prompt'/'completion' fields,
     rendered with a chat template, only assistant tokens counting (docs/chat.md). auto: chat exactly when the
     first training record has a 'messages' or 'prompt' field."""
     chat_template: str | None = None
