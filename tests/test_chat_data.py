@@ -272,6 +272,14 @@ def test_chat_data_errors(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="record 0 \\(line 1\\): the chat template does not render message 1 as a "
                                           "continuation"):
         chat.build_splits(DataConfig(train=str(multi), heldout=str(multi), chat_template=str(hiding)), tokenizer)
+    # A template that refuses a conversation (Llama-2-style role checks) names the record and its reason.
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system messages, "
+                      "please') }}{% endif %}{{ m.content }}{% endfor %}")
+    with_system = _write_jsonl(tmp_path / "system.jsonl", [{"messages": [Q1, A1]}, {"messages": [SYSTEM, Q1, A1]}])
+    with pytest.raises(ConfigError, match="record 1 \\(line 2\\): the chat template cannot render this conversation: "
+                                          "no system messages, please"):
+        chat.build_splits(DataConfig(train=str(with_system), heldout=str(good), chat_template=str(strict)), tokenizer)
     # Only prompts, while the losses train on reference answers.
     prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hi"}, {"prompt": "ho"}])
     splits = chat.build_splits(DataConfig(train=str(prompts), heldout=str(good), chat_template="chatml"), tokenizer)

@@ -252,15 +252,20 @@ class ChatEncoder:
     def has_markers(self) -> bool:
         return GENERATION_MARKER.search(self.template) is not None
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=True,
-            return_dict=True)["input_ids"])
+    def _apply(self, messages: list[Message], where: str, **kwargs: Any) -> Mapping[str, Any]:
+        """``apply_chat_template``; a template that refuses the conversation is an error naming the record."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
+                                                      return_dict=True, **kwargs)
+        except Exception as err:  # jinja's TemplateError from raise_exception(), and the tokenizer's ValueErrors
+            raise ConfigError(f"{where}: the chat template cannot render this conversation: {err}") from err
 
-    def marked_spans(self, messages: list[Message]) -> tuple[list[int], list[tuple[int, int]]]:
+    def render(self, messages: list[Message], generation_prompt: bool, where: str = "a conversation") -> list[int]:
+        return list(self._apply(messages, where, add_generation_prompt=generation_prompt)["input_ids"])
+
+    def marked_spans(self, messages: list[Message], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each assistant message's ``[start, end)`` from the template's generation markers."""
-        out = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
-                                                 return_dict=True, return_assistant_tokens_mask=True)
+        out = self._apply(messages, where, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         spans, start = [], None
         for i, flag in enumerate([*mask, 0]):
@@ -273,13 +278,13 @@ class ChatEncoder:
 
     def prefix_spans(self, messages: list[Message], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each assistant message's ``[start, end)`` by rendering the conversation's prefixes."""
-        ids = self.render(messages, generation_prompt=False)
+        ids = self.render(messages, generation_prompt=False, where=where)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            before = self.render(messages[:i], generation_prompt=True)
-            through = self.render(messages[: i + 1], generation_prompt=False)
+            before = self.render(messages[:i], generation_prompt=True, where=where)
+            through = self.render(messages[: i + 1], generation_prompt=False, where=where)
             if through != ids[: len(through)] or before != through[: len(before)]:
                 raise ConfigError(
                     f"{where}: the chat template does not render message {i} as a continuation of the messages "
@@ -291,10 +296,10 @@ class ChatEncoder:
     def encode(self, messages: list[Message], where: str, check: bool = False) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one conversation; ``check`` also compares markers with prefix rendering."""
         if messages[-1]["role"] != ASSISTANT:  # a prompt: ends with the generation prompt, counts nothing
-            ids = self.render(messages, generation_prompt=True)
+            ids = self.render(messages, generation_prompt=True, where=where)
             return ids, [IGNORE_INDEX] * len(ids)
         if self.has_markers:
-            ids, spans = self.marked_spans(messages)
+            ids, spans = self.marked_spans(messages, where)
             if check:
                 self._compare(messages, where, ids, spans)
         else:
