@@ -101,6 +101,20 @@ def test_generation_markers_agree_with_rendering_prefixes(tokenizer, template, c
     assert "markers count tokens" not in caplog.text
 
 
+def test_markers_that_disagree_with_the_conversation_are_used_and_reported(tokenizer, caplog):
+    """Markers around the content only (not <|im_end|>): they win, and the first records' check says so."""
+    text = chat.resolve_template(tokenizer, "chatml").replace(
+        "{%- generation %}{{- message['content'] + '<|im_end|>\\n' }}{%- endgeneration %}",
+        "{%- generation %}{{- message['content'] }}{%- endgeneration %}{{- '<|im_end|>\\n' }}")
+    encoder = chat.ChatEncoder(tokenizer, text)
+    ids, labels = encoder.encode([Q1, A1], "data.jsonl: record 0", check=True)
+    assert [label for label in labels if label != N] == _enc(tokenizer, A1["content"])
+    assert "data.jsonl: record 0: the template's {% generation %} markers count tokens" in caplog.text
+    caplog.clear()
+    encoder.encode([Q1, A1], "data.jsonl: record 9")  # past the checked records: no second rendering
+    assert caplog.text == ""
+
+
 def test_the_embedded_default_tokenizer_counts_exactly_the_assistant_text():
     """No chat special tokens there: the markup is spelled in several tokens, the mask is still exact."""
     tok = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
@@ -362,6 +376,23 @@ def test_cli_trains_on_chat_data(tiny_chat, tmp_path, ranks):
     for name in ("distilled", "no_teacher"):
         exported = _assistant_perplexity(out / "students" / name, tiny_chat["root"] / "heldout.jsonl")
         assert exported == pytest.approx(students[name]["perplexity"], rel=1e-4)
+    if ranks:
+        return
+    # Stopped after 2 steps and resumed: the same batches (the loader's position is checkpointed), the same run.
+    split = tmp_path / "resumed"
+    run_ranks(SCRIPT, [*_chat_args(tiny_chat, split), "training.max_steps=2"], nprocs=0)
+    run_ranks(SCRIPT, [*_chat_args(tiny_chat, split), "--resume"], nprocs=0)
+    losses = [[{k: v for k, v in r.items() if k.endswith("loss")} for r in _jsonl(run / "train.jsonl")]
+              for run in (out, split)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    for name in ("distilled", "no_teacher"):
+        whole = AutoModelForCausalLM.from_pretrained(out / "students" / name).state_dict()
+        resumed = AutoModelForCausalLM.from_pretrained(split / "students" / name).state_dict()
+        assert all(torch.equal(whole[key], resumed[key]) for key in whole)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_cli_refuses_a_dataset_of_prompts_before_training(tiny_chat, tmp_path):
