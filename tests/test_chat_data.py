@@ -208,7 +208,7 @@ def _write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def test_truncation_and_dropping_are_counted(tokenizer, tmp_path):
+def test_truncation_and_dropping_are_counted(tokenizer, tmp_path, caplog):
     long_answer = {"messages": [Q1, {"role": "assistant", "content": "x " * 200}]}
     long_prompt = {"prompt": "y " * 200, "completion": "z"}
     records = [{"messages": [Q1, A1]}, long_answer, long_prompt, {"prompt": "y " * 200}, {"prompt": "hi"}]
@@ -224,6 +224,9 @@ def test_truncation_and_dropping_are_counted(tokenizer, tmp_path):
     assert kept["input_ids"] == chat.ChatEncoder(tokenizer, chat.resolve_template(tokenizer, "chatml")).encode(
         chat.record_messages(long_answer, ""), "")[0][:64]
     assert stats.first_prompt == f"{train}: record 4 (line 5)"
+    stats.log("train", 64)
+    assert ("WARNING", "chat data train: 5 records, 1 prompts without an answer, 1 truncated to block_size 64, 2 "
+            "dropped") == (caplog.records[-1].levelname, caplog.records[-1].getMessage()[:96])
 
 
 def test_format_is_detected_from_the_records(tmp_path):

@@ -160,10 +160,12 @@ def detect_format(config: DataConfig) -> str:
     if Path(first_file).suffix.lower() in (".txt", ".text"):
         return "text"
     try:
-        first = next(read_records(first_file), None)
-    except ConfigError:
-        return "text"  # not records at all: the text path reports what is wrong with the file
-    record = first[1] if first is not None else None
+        if Path(first_file).is_file():
+            record = next((record for _, record in read_records(first_file)), None)
+        else:  # a hub dataset: look at its first row without downloading it all
+            record = next(iter(load_text(first_file, streaming=True)), None)
+    except (ConfigError, FileNotFoundError, ValueError):
+        return "text"  # not records at all: the text path reports what is wrong with the data
     return "chat" if isinstance(record, Mapping) and any(key in record for key in CHAT_FIELDS) else "text"
 
 
@@ -343,6 +345,11 @@ class ChatStats:
     """Tokens that count in the loss (labels not -100), over the kept records."""
     first_prompt: str | None = None
     """Where the first prompt record is, for errors."""
+
+    def log(self, name: str, block_size: int) -> None:
+        """One line for the run's log; a warning when records were cut or left out."""
+        level = logging.WARNING if self.truncated or self.dropped else logging.INFO
+        logger.log(level, self.describe(name, block_size))
 
     def describe(self, name: str, block_size: int) -> str:
         return (f"chat data {name}: {self.records} records, {self.prompts} prompts without an answer, "
