@@ -429,3 +429,16 @@ def test_held_out_fraction_splits_the_records(tokenizer, tmp_path):
         stats = splits.stats[name]
         assert stats.prompts == sum(c == 0 for c in split["counted"])
         assert stats.counted_tokens == sum(sum(label != N for label in row) for row in split["labels"])
+
+
+def test_chat_settings_are_typed_and_documented_in_help():
+    text = run_config.help_text()
+    for key in ("data.format (default \"auto\")", "data.chat_template (default null)",
+                "data.assistant_turns (default \"all\")"):
+        assert key in text
+    config = run_config.load(None, ["data.format=chat", "data.assistant_turns=last", "data.chat_template=llama3"])
+    assert (config.data.format, config.data.assistant_turns, config.data.chat_template) == ("chat", "last", "llama3")
+    with pytest.raises(ConfigError, match="data.assistant_turns: 'first' is not one of \\['all', 'last'\\]"):
+        run_config.load(None, ["data.assistant_turns=first"])
+    with pytest.raises(ConfigError, match="data.format: 'sharegpt' is not one of \\['auto', 'text', 'chat'\\]"):
+        run_config.load(None, ["data.format=sharegpt"])
