@@ -146,6 +146,20 @@ def test_prompt_completion_records_and_prompts(tokenizer):
     # The completion's prompt is exactly the prompt record's tokens; a prompt-only row is its whole length.
     assert chat.prompt_lengths(batch).tolist() == [len(prompt_ids), len(prompt_ids)]
     assert full_ids[: len(prompt_ids)] == prompt_ids
+    two_turns, two_labels = encoder.encode([Q1, A1, Q2, A2], "r")
+    batch = chat.pad_rows([full_ids, two_turns, prompt_ids], [full_labels, two_labels, [N] * len(prompt_ids)], 0)
+    prompts = chat.left_padded_prompts(batch, pad_id=0)
+    assert prompts["input_ids"].shape == (3, len(prompt_ids))  # the first assistant turn starts every row's answer
+    assert prompts["input_ids"].tolist() == [prompt_ids] * 3 and prompts["attention_mask"].min() == 1
+    last = chat.ChatEncoder(tokenizer, encoder.template, "last").encode([Q1, A1, Q2, A2], "r")
+    batch = chat.pad_rows([prompt_ids, last[0]], [[N] * len(prompt_ids), last[1]], pad_id=0)
+    assert chat.prompt_lengths(batch).tolist() == [len(prompt_ids), len(encoder.encode([Q1, A1, Q2], "r")[0])]
+    prompts = chat.left_padded_prompts(batch, pad_id=0)
+    short = len(prompt_ids)
+    width = prompts["input_ids"].shape[1]
+    assert prompts["input_ids"][0].tolist() == [0] * (width - short) + prompt_ids
+    assert prompts["attention_mask"][0].tolist() == [0] * (width - short) + [1] * short
+    assert prompts["input_ids"][1].tolist() == encoder.encode([Q1, A1, Q2], "r")[0]
 
 
 def _dataset(lengths: list[int]):

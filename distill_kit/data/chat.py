@@ -13,7 +13,8 @@ micro-batch (rows are never packed together):
 
 The *prompt* of a row is everything before its first counted label (:func:`prompt_lengths`). A row with no
 counted label is *prompt-only*: its whole conversation is the prompt and ends with the template's generation
-prompt (the assistant header), ready for a model to answer.
+prompt (the assistant header), ready for a model to answer. :func:`left_padded_prompts` gives the prompts
+left-padded, as batched generation takes them.
 
 Records (one per JSON object of a ``.jsonl``/``.json``/``.parquet`` file):
 
@@ -477,6 +478,20 @@ def prompt_lengths(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     counted = batch["labels"] != IGNORE_INDEX
     first = counted.int().argmax(dim=1)
     return torch.where(counted.any(dim=1), first, batch["attention_mask"].sum(dim=1))
+
+
+def left_padded_prompts(batch: Mapping[str, torch.Tensor], pad_id: int) -> Batch:
+    """Each row's prompt, left-padded to the longest prompt of the batch: the input of a batched ``generate``.
+
+    Returns ``input_ids`` and ``attention_mask`` of shape ``[B, P]``, ``P`` the longest of :func:`prompt_lengths`,
+    on the batch's device; row ``i`` ends with its prompt's last token (the generation prompt).
+    """
+    lengths = prompt_lengths(batch)
+    width = int(lengths.max())
+    source = torch.arange(width, device=lengths.device)[None, :] - (width - lengths)[:, None]
+    mask = source >= 0
+    ids = batch["input_ids"].gather(1, source.clamp(min=0)).masked_fill(~mask, pad_id)
+    return {"input_ids": ids, "attention_mask": mask.long()}
 
 
 class ChatLoader:
