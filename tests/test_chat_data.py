@@ -288,8 +288,17 @@ def test_chat_data_errors(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="has no chat template: set data.chat_template to one of the shipped "
                                           "templates \\(chatml, llama3\\)"):
         chat.build_splits(DataConfig(train=str(good), heldout=str(good)), default)
-    with pytest.raises(ConfigError, match="'vicuna' is neither a shipped template \\(chatml, llama3\\) nor"):
+    with pytest.raises(ConfigError, match="'vicuna' is neither a named template \\(shipped: chatml, llama3\\) nor"):
         chat.build_splits(DataConfig(train=str(good), heldout=str(good), chat_template="vicuna"), default)
+    # A tokenizer with several named templates: its default renders unless another is named.
+    named = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
+    named.chat_template = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}", "terse": "{{ 'x' }}"}
+    assert chat.resolve_template(named, None) == named.chat_template["default"]
+    assert chat.resolve_template(named, "terse") == "{{ 'x' }}"
+    assert chat.resolve_template(named, "chatml") == chat.resolve_template(default, "chatml")
+    with pytest.raises(ConfigError, match=re.escape("'vicuna' is neither a named template (the tokenizer's (default, "
+                                                    "terse), shipped: chatml, llama3) nor an existing .jinja file")):
+        chat.resolve_template(named, "vicuna")
     text = tmp_path / "plain.txt"
     text.write_text("hello")
     with pytest.raises(ConfigError, match="a plain-text file cannot hold chat records"):

@@ -223,23 +223,28 @@ def shipped_templates() -> list[str]:
 
 
 def resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
-    """The Jinja text to render with: ``data.chat_template`` (a shipped name or a file), else the tokenizer's."""
+    """The Jinja text to render with: ``data.chat_template`` if set, else the tokenizer's own (its ``default``
+    when it has several named ones). ``data.chat_template`` is, in this order, one of the tokenizer's named
+    templates, a shipped template (``templates/``), or a Jinja file."""
+    own = tokenizer.chat_template
+    named = dict(own) if isinstance(own, Mapping) else {}
     if chat_template is None:
-        own = tokenizer.chat_template
-        if isinstance(own, Mapping):  # several named templates: the default one renders conversations
-            own = own.get("default")
+        own = named.get("default") if named else own
         if not own:
             raise ConfigError(
                 f"the tokenizer ({tokenizer.name_or_path or type(tokenizer).__name__}) has no chat template: set "
                 f"data.chat_template to one of the shipped templates ({', '.join(shipped_templates())}) "
                 "or a .jinja file")
         return own
+    if chat_template in named:
+        return named[chat_template]
     if chat_template in shipped_templates():
         return (TEMPLATES_DIR / f"{chat_template}.jinja").read_text(encoding="utf-8")
     path = Path(chat_template)
     if not path.is_file():
-        raise ConfigError(f"data.chat_template: {chat_template!r} is neither a shipped template "
-                          f"({', '.join(shipped_templates())}) nor an existing .jinja file")
+        names = f"the tokenizer's ({', '.join(named)}), " if named else ""
+        raise ConfigError(f"data.chat_template: {chat_template!r} is neither a named template ({names}shipped: "
+                          f"{', '.join(shipped_templates())}) nor an existing .jinja file")
     return path.read_text(encoding="utf-8")
 
 
