@@ -61,6 +61,7 @@ from typing import Any
 import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from distill_kit.data.blocks import IGNORE_INDEX, DataConfig, LoaderPosition, _as_list, _check_rank, load_text
 from distill_kit.run.run_config import ConfigError
@@ -75,10 +76,6 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Records rendered both ways (markers and prefix diff) to check that they agree: enough to catch a template
 # whose markers sit elsewhere than the conversation's own structure says, cheap for any dataset.
 CHECKED_RECORDS = 8
-# Global batches per length group: rows are sorted by length inside groups of this many global batches, so
-# batches hold similar lengths while the shuffled order still mixes the whole dataset (as the Hugging Face
-# Trainer's length-grouped sampler does with its "megabatches" of 50).
-GROUP_BATCHES = 50
 # Records tokenised before they are moved into Arrow memory: bounds the Python lists held at once.
 CHUNK_RECORDS = 10_000
 FEATURES = datasets.Features({
@@ -502,9 +499,9 @@ def left_padded_prompts(batch: Mapping[str, torch.Tensor], pad_id: int) -> Batch
 class ChatLoader:
     """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
 
-    An epoch's order: the records in a random order (fixed by ``seed`` and the epoch; kept as is without
-    ``shuffle``), cut into groups of :data:`GROUP_BATCHES` global batches, each group sorted by length and cut
-    into global batches of ``world_size * micro_batch_size`` rows, then the whole global batches shuffled. Rank
+    An epoch's order (:meth:`epoch_order`): the records in a random order fixed by ``seed`` and the epoch, sorted
+    by length inside groups of up to 50 global batches of ``world_size * micro_batch_size`` rows, cut into global
+    batches, then the whole global batches shuffled. Rank
     ``r`` takes the ``r``-th slice of each global batch, as :class:`~distill_kit.data.blocks.BlockLoader` does.
     With ``drop_last`` (training) a last partial global batch is left out of the epoch (other rows each epoch);
     without it (evaluation) it is filled with one-token rows that count nothing, so every rank still runs it.
@@ -535,15 +532,16 @@ class ChatLoader:
         return self.num_batches
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """Row indices of ``epoch``, global batch after global batch (a partial one last)."""
+        """Row indices of ``epoch``, global batch after global batch (a partial one last).
+
+        The length grouping is the Hugging Face Trainer's (``get_length_grouped_indices``: a random permutation,
+        sorted by length inside "megabatches" of up to 50 batches); its batches are then shuffled, so that
+        consecutive steps do not run from long to short. Without ``shuffle`` the order is the same every epoch.
+        """
         size = self.world_size * self.micro_batch_size
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist() if self.shuffle \
-            else list(range(len(self.lengths)))
-        batches = []
-        for start in range(0, len(order), size * GROUP_BATCHES):
-            group = sorted(order[start : start + size * GROUP_BATCHES], key=lambda i: -self.lengths[i])
-            batches += [group[i : i + size] for i in range(0, len(group), size)]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + (epoch if self.shuffle else 0))
+        order = get_length_grouped_indices(self.lengths, size, generator=generator)
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
         whole = [b for b in batches if len(b) == size]
         if self.shuffle:
             whole = [whole[i] for i in torch.randperm(len(whole), generator=generator).tolist()]
