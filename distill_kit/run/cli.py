@@ -108,7 +108,7 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
         if distributed.is_main():
             for name, stats in splits.stats.items():
-                logger.info(stats.describe(name, data_config.block_size))
+                stats.log(name, data_config.block_size)
         if config.training.on_policy.fraction < 1:  # at 1 every row is answered by a sample
             chat.require_answers(splits, "the students' losses")
         pad = chat.pad_id_of(tokenizer)
