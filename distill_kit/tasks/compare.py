@@ -145,6 +145,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         started = time.perf_counter()
         distiller = train(name, start, loss, batches, steps - warm_steps, sampler)
         rows.append(score(name, distiller, seconds + time.perf_counter() - started))
+        distiller.student_model.save_pretrained(out / "students" / name)  # to read its answers afterwards
     summary = table(rows)
     summary["config"] = to_dict(config)
     (out / "report.json").write_text(json.dumps(summary, indent=2))
