@@ -2,14 +2,17 @@
 
 Where things live: ``distiller.py`` (the Distiller and its hooks), ``engines/`` (DeepSpeed configs,
 model loading, engine building), ``training/`` (the loop, checkpoints, groups of models), ``data/``,
-``offline/`` (captured teachers) and ``run/`` (the main job: config, CLI, evaluation, export, report).
+``offline/`` (captured teachers), ``run/`` (the main job: config, CLI, evaluation, export, report) and
+``tasks/`` (seeded task benchmarks with exact checkers).
 """
 
 from distill_kit.distiller import Distiller
 from distill_kit.offline.captured_teacher import CapturedTeacher
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.multi_student import MultiStudentDistiller
+from distill_kit.training.on_policy import OnPolicyConfig
 from distill_kit.training.side_by_side import SideBySide
 from distill_kit.training.student_spec import StudentSpec
 
-__all__ = ["CapturedTeacher", "Distiller", "MultiStudentDistiller", "SideBySide", "StudentSpec", "TrainingConfig"]
+__all__ = ["CapturedTeacher", "Distiller", "MultiStudentDistiller", "OnPolicyConfig", "SideBySide", "StudentSpec",
+           "TrainingConfig"]
