@@ -40,6 +40,10 @@ class TrainingConfig:
     """Complete checkpoints kept; the oldest is deleted only once a newer one is complete."""
     max_bad_steps: int = 3
     """Non-finite (NaN/inf loss or gradient) steps in a row that stop the run; fewer are skipped and counted."""
+    fused_loss: bool = True
+    """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
+    student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2
+    student of a known architecture, no loss that reads full logits); the run's log says when it is not."""
 
     def __post_init__(self) -> None:
         checks = {
