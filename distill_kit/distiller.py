@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines import deepspeed_config, distributed, kernels, models
 from distill_kit.engines.build import build_student, build_teacher
 from distill_kit.engines.head import why_not_fused
 from distill_kit.engines.models import ModelSource
@@ -74,11 +74,16 @@ class Distiller(Trainer):
             loss, **{f"student_{k}": v for k, v in student_facts.items()},
             **{f"teacher_{k}": v for k, v in teacher_facts.items()},
         )
+        kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
+        kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         need_attentions = self.loss.needs_attentions
         teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
+        if shared_teacher is None:
+            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
+        kernels.apply(student_model, self.training.student_kernels, "training.student_kernels")
         check_vocabularies(student_model, teacher_model)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
