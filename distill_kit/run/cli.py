@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit.data import blocks
+from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import distributed
 from distill_kit.engines.models import check_tokenizers
@@ -101,6 +101,25 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
+def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase):
+    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``)."""
+    rank, world = distributed.rank(), distributed.world_size()
+    mbs, seed = config.training.micro_batch_size, config.training.seed
+    if chat.detect_format(data_config) == "chat":
+        splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
+        if distributed.is_main():
+            for name, stats in splits.stats.items():
+                logger.info(stats.describe(name, data_config.block_size))
+        chat.require_answers(splits, "the students' losses")
+        pad = chat.pad_id_of(tokenizer)
+        return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
+                chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
+                                drop_last=False))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    return (blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed),
+            blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False))
+
+
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
     """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
@@ -148,12 +167,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         raise ConfigError(problem)
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
-    rank, world = distributed.rank(), distributed.world_size()
-    mbs = config.training.micro_batch_size
-    train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
-    eval_loader = blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
+    world, mbs = distributed.world_size(), config.training.micro_batch_size
     students = MultiStudentDistiller(
         config.teacher, specs, training=config.training,
         teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
