@@ -14,11 +14,18 @@ into phases (``phases.py``). Before the runs, on a clean device, it measures the
 against the naive float32 one (``loss_memory.py``). Results go to ``OUT/bench.json``, ``results.md`` and
 ``chart.png`` (``report.py``).
 
-GPU (2x H200; the second line is the headline run in RESULTS.md)::
+Before the runs it also measures the student's head + loss from hidden states: naive, chunked and fused
+(``loss_memory.measure_with_head``). Runs use plain HF kernels unless a run names ``liger`` or ``compile``, and
+the fused student head unless it names ``unfused``.
+
+GPU (2x H200; the second line is the headline run in RESULTS.md, the third the big-teacher pair, one process
+per run)::
 
     torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench
-    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --chunk-size 1024 \
-        --runs ours@32+bucket baseline@32+bucket upper@32+bucket
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --chunk-size 1024 --warmup 2 --steps 6 \
+        --runs ours@16+bucket+liger baseline@16+bucket+liger ours@16+bucket+liger+unfused ours@32+bucket+liger
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --pair qwen2-72b-0.5b --loss-memory-shape 0 \
+        --chunk-size 1024 --out runs/b72_ours --runs ours@4+bucket+liger
 
 CPU smoke (what the test suite runs)::
 
