@@ -75,7 +75,7 @@ class SideBySide(Trainer):
             loss, config = self.losses[spec.name], configs[spec.name]
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
             kernels.apply(model, self.training.student_kernels, "training.student_kernels")
-            self.models[spec.name] = build_student(model, loss, config)
+            self.models[spec.name] = build_student(model, loss, config, spec.training(self.training))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
