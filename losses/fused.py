@@ -19,6 +19,7 @@ embedding lookup add up in autograd as they do without fusion.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,15 +90,15 @@ def value_and_grad(logits: torch.Tensor, rows_loss: Callable[..., torch.Tensor],
     return value, grad.to(logits.dtype)
 
 
-_COMPILED: list[Callable[..., Any]] = []
+@functools.cache
+def _compiled() -> Callable[..., Any]:
+    """One compiled step per process; dynamo specialises it per loss function and, after a second chunk
+    length (the last, shorter chunk), compiles it once more with a dynamic length."""
+    return torch.compile(value_and_grad)
 
 
 def _step(compile: bool) -> Callable[..., Any]:
-    if not compile:
-        return value_and_grad
-    if not _COMPILED:  # one compiled function per process; dynamo re-specialises per loss and shape
-        _COMPILED.append(torch.compile(value_and_grad))
-    return _COMPILED[0]
+    return _compiled() if compile else value_and_grad
 
 
 class _FusedHeadLoss(torch.autograd.Function):

@@ -211,7 +211,9 @@ def test_distiller_step_fused_equals_plain(tmp_path):
         assert result["fused_head_True"] and not result["fused_head_False"]
         assert result["output_True"] == "HeadOutput" and result["output_False"] == "CausalLMOutputWithCrossAttentions"
         assert result["max_param_change"] > 1e-3
-        assert result["max_param_diff"] < 1e-6
+        # float32 sums in another order (per chunk, then across chunks): Adam turns the last-bit differences of
+        # near-zero gradients into ~1e-6 steps; a wrong gradient anywhere moves parameters by ~1e-3 (lr 3e-3).
+        assert result["max_param_diff"] < 5e-6
         assert result["losses_True"] == pytest.approx(result["losses_False"], rel=1e-6)
         for name, metrics in result["eval_True"].items():
             assert metrics == pytest.approx(result["eval_False"][name], rel=1e-6)
