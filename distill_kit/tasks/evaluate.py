@@ -17,7 +17,6 @@ def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Exa
     was_training = model.training
     model.eval()
     answers = []
-    tokenizer.padding_side = "left"
     try:
         for start in range(0, len(items), batch_size):
             chunk = items[start:start + batch_size]
