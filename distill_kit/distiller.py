@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines import deepspeed_config, distributed, models, peft_student
 from distill_kit.engines.build import build_student, build_teacher
 from distill_kit.engines.models import ModelSource
 from distill_kit.run import evaluation
@@ -53,9 +53,12 @@ class Distiller(Trainer):
         student_ds_overrides: Mapping[str, Any] | None = None,
         teacher_ds_overrides: Mapping[str, Any] | None = None,
         shared_teacher: nn.Module | None = None,
+        peft: peft_student.PeftSpec | None = None,
     ):
         """``shared_teacher`` is a teacher engine already built from ``teacher`` and ``teacher_ds_config``
-        (several students share one, see ``multi_student.py``): nothing is loaded for it again."""
+        (several students share one, see ``multi_student.py``): nothing is loaded for it again. ``peft``
+        (``{r, alpha, dropout, target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters
+        on a frozen student instead of the whole student (``engines/peft_student.py``)."""
         super().__init__(training)
         student_facts, teacher_facts = models.facts(student), models.facts(teacher)
         self.student_ds_config, self.teacher_ds_config = deepspeed_config.prepare_pair(
@@ -72,12 +75,17 @@ class Distiller(Trainer):
             loss, **{f"student_{k}": v for k, v in student_facts.items()},
             **{f"teacher_{k}": v for k, v in teacher_facts.items()},
         )
+        adapters = (peft_student.check(peft, deepspeed_config.zero_stage(self.student_ds_config))
+                    if peft is not None else None)
+        self.export_merged = peft_student.wants_merged_export(peft)
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         need_attentions = self.loss.needs_attentions
         teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         check_vocabularies(student_model, teacher_model)
+        if adapters is not None:
+            student_model = peft_student.wrap(student_model, adapters)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
         self.student = build_student(student_model, self.loss, self.student_ds_config)

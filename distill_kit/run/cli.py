@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from distill_kit.data import blocks
 from distill_kit.data.corpus import write_corpus
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, peft_student
 from distill_kit.engines.models import check_tokenizers
 from distill_kit.run import report, run_config
 from distill_kit.run.log import RunLog
@@ -53,7 +53,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
     fresh one built from the teacher's config with ``init`` overrides and saved, so that it loads like any
     pretrained model: under its own ZeRO layout, and identically for every run that shares the seed."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
-            "ds_overrides": student.ds_overrides}
+            "ds_overrides": student.ds_overrides, "peft": student.peft}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
@@ -137,6 +137,13 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
         if path is not None and _looks_local(path) and not Path(path).is_dir():
             raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
+    for student in config.students:
+        if student.peft is not None:
+            try:
+                peft_student.preflight(student.peft, student.ds_config or config.student_ds_config,
+                                       {**config.student_ds_overrides, **student.ds_overrides})
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"students[{student.name}].peft: {err}") from err
     problem = None
     if distributed.is_main():  # rank 0 reads and writes the folder; every rank stops on what it found
         try:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from distill_kit.data.blocks import DataConfig
+from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.training.config import TrainingConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -62,6 +63,9 @@ class StudentConfig:
     """This student's DeepSpeed config; None takes student_ds_config."""
     ds_overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted DeepSpeed keys for this student only, over student_ds_overrides."""
+    peft: AdapterConfig | None = None
+    """LoRA adapters {r, alpha, dropout, target_modules, export_merged} trained on a frozen student (needs the
+    peft extra and a ZeRO-0/1/2 student); None trains every weight."""
 
 
 @dataclass(frozen=True)

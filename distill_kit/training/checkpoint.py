@@ -38,7 +38,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, peft_student
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ def _by_folder(engines: Engines) -> dict[str, deepspeed.DeepSpeedEngine]:
     if clashing:
         raise ValueError(f"models named {clashing} would clash with a checkpoint's own files; rename them")
     return engines
+
+
+def _frozen_bases(engines: Mapping[str, deepspeed.DeepSpeedEngine]) -> dict[str, str]:
+    """The sha256 of each PEFT student's frozen base, by folder: its checkpoint holds only the adapters."""
+    return {folder: peft_student.frozen_parameters_sha256(engine.module)
+            for folder, engine in engines.items() if peft_student.is_peft(engine.module)}
 
 
 def _step_of(path: Path) -> int | None:
@@ -193,8 +199,10 @@ def save(
                 _remove(final)
     if distributed.broadcast_object(keep):
         return final
-    for folder, engine in engines.items():
-        engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
+    for folder, engine in engines.items():  # a PEFT student's frozen base is not saved: its sha256 is, below
+        engine.save_checkpoint(str(partial), tag=folder, save_latest=False,
+                               exclude_frozen_parameters=peft_student.is_peft(engine.module))
+    frozen = _frozen_bases(engines)
     partial.mkdir(parents=True, exist_ok=True)
     torch.save(dict(rank_state), partial / _rank_file(distributed.rank()))
     distributed.barrier()  # every rank's files are on disk
@@ -203,7 +211,7 @@ def save(
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         manifest = {
             "format": FORMAT, "step": step, "world_size": distributed.world_size(), "teacher_sha256": teacher_sha256,
-            "models": sorted(engines),
+            "models": sorted(engines), **({"frozen_base_sha256": frozen} if frozen else {}),
             "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
@@ -295,8 +303,15 @@ def load(
             f"{distributed.world_size()}. Resume on {manifest['world_size']} ranks: each rank's data position "
             "and random generators are its own."
         )
+    frozen = _frozen_bases(engines)
+    if manifest.get("frozen_base_sha256", {}) != frozen:
+        raise ValueError(
+            f"checkpoint {path} holds adapters trained on frozen base weights with sha256 "
+            f"{manifest.get('frozen_base_sha256', {})}, but this run's are {frozen}. Resume with the student model "
+            "(and peft settings) the run was started with."
+        )
     for folder, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(str(path), tag=folder)
+        loaded, _ = engine.load_checkpoint(str(path), tag=folder, load_module_strict=folder not in frozen)
         if loaded is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
