@@ -18,7 +18,7 @@ from distill_kit.data import blocks
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import distributed, peft_student
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config
+from distill_kit.run import report, run_config, trackers
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.training import checkpoint, preemption
@@ -73,7 +73,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
 
 
 # Settings that may change when a run is resumed; everything else must match the run in output_dir.
-RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "training.max_steps", "training.log_every",
+RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "report_to", "training.max_steps", "training.log_every",
                      "training.save_every", "training.keep_checkpoints", "training.checkpoint_dir")
 
 
@@ -144,6 +144,10 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                                        {**config.student_ds_overrides, **student.ds_overrides})
             except (ImportError, ValueError) as err:
                 raise ConfigError(f"students[{student.name}].peft: {err}") from err
+    try:
+        trackers.check(config.report_to)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     problem = None
     if distributed.is_main():  # rank 0 reads and writes the folder; every rank stops on what it found
         try:
@@ -167,7 +171,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
     )
     resumed = students.resume() if resume else None
-    log = RunLog(out, resumed_at=students.step if resumed else None)
+    log = RunLog(out, resumed_at=students.step if resumed else None, report_to=config.report_to,
+                 params=run_config.to_dict(config))
     if resume and resumed is None and distributed.is_main():
         logger.warning("--resume: no complete checkpoint in %s yet; starting from step 0", out / "checkpoints")
     finished = train_students(config, students, train_loader, eval_loader, log)

@@ -111,6 +111,10 @@ class RunConfig:
     """Checkpoints, exported students, logs and the report go here; None: a new runs/<date>-<time>."""
     cache_dir: str = ".cache"
     """Prepared corpora and other one-time work, reused by later runs."""
+    report_to: tuple[str, ...] | None = None
+    """Trackers besides the JSON lines: any of tensorboard, wandb (offline unless WANDB_MODE is set), mlflow (a
+    local store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set); each needs its package. None:
+    TensorBoard when installed; []: none."""
 
 
 # ---- field documentation, from the docstrings under each field ------------------------------------------
