@@ -76,7 +76,11 @@ def _by_folder(engines: Engines) -> dict[str, deepspeed.DeepSpeedEngine]:
 def _frozen_bases(engines: Mapping[str, deepspeed.DeepSpeedEngine]) -> dict[str, str]:
     """The sha256 of each PEFT student's frozen base, by folder: its checkpoint holds only the adapters."""
     return {folder: peft_student.frozen_parameters_sha256(engine.module)
-            for folder, engine in engines.items() if peft_student.is_peft(engine.module)}
+            for folder, engine in engines.items() if _is_peft(engine)}
+
+
+def _is_peft(engine: deepspeed.DeepSpeedEngine) -> bool:
+    return peft_student.is_peft(getattr(engine, "module", engine))
 
 
 def _step_of(path: Path) -> int | None:
@@ -200,8 +204,8 @@ def save(
     if distributed.broadcast_object(keep):
         return final
     for folder, engine in engines.items():  # a PEFT student's frozen base is not saved: its sha256 is, below
-        engine.save_checkpoint(str(partial), tag=folder, save_latest=False,
-                               exclude_frozen_parameters=peft_student.is_peft(engine.module))
+        adapters_only = {"exclude_frozen_parameters": True} if _is_peft(engine) else {}
+        engine.save_checkpoint(str(partial), tag=folder, save_latest=False, **adapters_only)
     frozen = _frozen_bases(engines)
     partial.mkdir(parents=True, exist_ok=True)
     torch.save(dict(rank_state), partial / _rank_file(distributed.rank()))
@@ -311,7 +315,8 @@ def load(
             "(and peft settings) the run was started with."
         )
     for folder, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(str(path), tag=folder, load_module_strict=folder not in frozen)
+        loaded, _ = engine.load_checkpoint(str(path), tag=folder,
+                                           **({"load_module_strict": False} if folder in frozen else {}))
         if loaded is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
