@@ -88,7 +88,7 @@ class Distiller(Trainer):
             student_model = peft_student.wrap(student_model, adapters)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
-        self.student = build_student(student_model, self.loss, self.student_ds_config)
+        self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
