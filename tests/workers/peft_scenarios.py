@@ -21,14 +21,11 @@ from tiny_models import gpt2_config, random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed, peft_student  # noqa: E402
-from distill_kit.engines.deepspeed_config import load  # noqa: E402
 from distill_kit.run.export import export_student  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CONSTANT_LR = {k: v for k, v in load(ROOT / "configs/zero2_student.json").items() if k != "scheduler"}
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
-                          lr=1e-2, weight_decay=0.01, max_grad_norm=0.5, log_every=100)
+                          lr=1e-2, weight_decay=0.01, max_grad_norm=0.5, lr_schedule="constant", log_every=100)
 ADAPTERS = {"r": 4, "alpha": 8.0, "target_modules": ["c_attn", "c_fc"]}
 
 
@@ -88,7 +85,7 @@ def lora_trains(out: Path, teacher_dir: Path, student_dir: Path) -> None:
     """The engine against the plain loop; what the optimizer holds; the frozen base untouched."""
     world = distributed.world_size()
     all_batches = random_batches(STEPS * GAS * world, MBS, LENGTH, seed=7)
-    distiller = Distiller(student_dir, teacher_dir, training=TRAINING, student_ds_config=CONSTANT_LR, peft=ADAPTERS)
+    distiller = Distiller(student_dir, teacher_dir, training=TRAINING, peft=ADAPTERS)
     start, base = adapters(distiller.student_model), frozen(distiller.student_model)
     history = distiller.train(rank_batches(all_batches, distributed.rank(), world))
     optimizer = distiller.student.optimizer
@@ -165,11 +162,10 @@ def feature_losses(out: Path, teacher_dir: Path, student_dir: Path) -> None:
             {"name": "attention_kl", "weight": 1.0}]
     data = random_batches(2 * GAS, MBS, LENGTH, seed=30 + distributed.rank())
     training = replace(TRAINING, max_steps=2)
-    lora = Distiller(student_dir, teacher_dir, loss=loss, training=training, student_ds_config=CONSTANT_LR,
-                     peft=ADAPTERS)
+    lora = Distiller(student_dir, teacher_dir, loss=loss, training=training, peft=ADAPTERS)
     start = adapters(lora.student.module)
     lora_history = lora.train(data)
-    plain = Distiller(student_dir, teacher_dir, loss=loss, training=training, student_ds_config=CONSTANT_LR)
+    plain = Distiller(student_dir, teacher_dir, loss=loss, training=training)
     plain_history = plain.train(data)
     trained = adapters(lora.student.module)
     write(out, "feature_losses", {
