@@ -94,7 +94,9 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
 def test_teachers_weighted_one_and_zero_equal_the_first_teacher_alone(ranks):
     for result in ranks["one_teacher_equivalence"]:
         assert result["sum"] == {"loss_diff": 0.0, "param_diff": 0.0}  # 1 * loss_a + 0 * loss_b: bit for bit
-        assert result["mixture"]["loss_diff"] < 1e-7 and result["mixture"]["param_diff"] < 1e-7  # log_softmax again
+        # the mixture takes log_softmax of a log-softmax again: equal up to float32 rounding (the worker's Adam eps
+        # keeps Adam from enlarging rounding-level gradients into full steps)
+        assert result["mixture"]["loss_diff"] < 1e-7 and result["mixture"]["param_diff"] < 1e-6
 
 
 @pytest.mark.multirank
