@@ -138,6 +138,9 @@ class TeacherEnsembleLoss(DistillationLoss):
         self.needs_hidden_states = any(loss.needs_hidden_states for loss in self.losses.values())
         self.needs_attentions = any(loss.needs_attentions for loss in self.losses.values())
         self.needs_teacher = True
+        # The sum hands the student's outputs to its losses as they are (the fused head too, when they all take it);
+        # the mixture is built over the full vocabulary, next to the student's full logits.
+        self.needs_full_logits = combine == "mixture" or any(loss.needs_full_logits for loss in self.losses.values())
         if combine == "mixture":
             self.temperature = _one_temperature(next(iter(self.losses.values())))
             total = sum(self.weights.values())
