@@ -11,7 +11,7 @@ from launch import ROOT, run_ranks
 
 from distill_kit.engines import peft_student
 from distill_kit.engines.peft_student import AdapterConfig
-from distill_kit.run import cli, run_config
+from distill_kit.run import run_config, validate
 from distill_kit.run.run_config import ConfigError
 
 WORKER = ROOT / "tests/workers/peft_scenarios.py"
@@ -30,12 +30,15 @@ def test_bad_peft_settings_are_config_errors_naming_the_fix():
 
 
 def test_a_zero3_lora_student_is_refused_before_anything_loads(tmp_path):
+    """One of the CLI's up-front checks (validate.py: they run before anything is loaded or written)."""
     config = run_config.load(None, ["students=[{name: a, init: {num_hidden_layers: 1}, peft: {r: 4}}]",
                                     "student_ds_overrides={zero_optimization.stage: 3}",
                                     f"output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"students\[a\].peft: a PEFT student trains under ZeRO stage 0-2"):
-        cli.run(config)
-    assert not (tmp_path / "run").exists()  # nothing written
+    problems = validate.check_peft(validate.Start(config, False, {}))
+    assert problems == ["students[a].peft: a PEFT student trains under ZeRO stage 0-2 (its frozen base is "
+                        "replicated, only the adapters are trained and sharded); set the student's "
+                        "zero_optimization.stage to 2"]
+    assert validate.check_peft in validate.CHECKS
 
 
 def test_a_missing_peft_library_says_how_to_install_it(monkeypatch):

@@ -4,6 +4,9 @@ not installed here, so it is checked against a stand-in ``SummaryWriter``."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -12,7 +15,6 @@ import pytest
 
 from distill_kit.run import run_config, trackers
 from distill_kit.run.log import RunLog
-from distill_kit.run.run_config import ConfigError
 
 PARAMS = run_config.to_dict(run_config.RunConfig())
 
@@ -51,17 +53,31 @@ def test_mlflow_writes_params_and_metrics_to_a_local_store(tmp_path, monkeypatch
     assert run.info.status == "FINISHED"
 
 
-def test_wandb_writes_an_offline_run_with_the_config(tmp_path, monkeypatch):
+WANDB_RUN = """
+import json, sys
+from pathlib import Path
+from distill_kit.run import run_config
+from distill_kit.run.log import RunLog
+log = RunLog(Path(sys.argv[1]), report_to=["wandb"], params=run_config.to_dict(run_config.RunConfig()))
+run = log.trackers[0].run
+seen = {"mode": run.settings.mode, "max_steps": run.config["training"]["max_steps"]}
+log.step({"step": 1, "small/loss": 0.123456, "skipped_steps": 0})
+log.close()
+print(json.dumps(seen))
+"""
+
+
+def test_wandb_writes_an_offline_run_with_the_config(tmp_path):
+    """In a fresh interpreter: W&B's background service shares the process with whatever ran before."""
     pytest.importorskip("wandb")
-    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"} | {  # offline by default
+        "WANDB_SILENT": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     directory = tmp_path / "run"
-    log = RunLog(directory, report_to=["wandb"], params=PARAMS)
-    run = log.trackers[0].run
-    assert run.settings.mode == "offline"
-    assert run.config["training"]["max_steps"] == PARAMS["training"]["max_steps"]
-    log.step({"step": 1, "small/loss": 0.123456, "skipped_steps": 0})
-    log.close()
+    done = subprocess.run([sys.executable, "-c", WANDB_RUN, str(directory)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"mode": "offline", "max_steps": PARAMS["training"]["max_steps"]}
     files = list((directory / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     data = files[0].read_bytes()  # W&B's record log: protobuf, whose strings are stored as written
@@ -100,13 +116,14 @@ def test_the_default_opens_tensorboard_only_when_installed(monkeypatch):
 
 
 def test_bad_report_to_is_a_config_error_before_any_work(tmp_path, monkeypatch):
-    from distill_kit.run import cli
+    """One of the CLI's up-front checks (validate.py: they run before anything is loaded or written)."""
+    from distill_kit.run import validate
 
     config = run_config.load(None, ["report_to=[wandb, neptune]", f"output_dir={tmp_path / 'a'}"])
-    with pytest.raises(ConfigError, match=r"unknown trackers \['neptune'\]; choose from \['mlflow', 'tensorboard'"):
-        cli.run(config)
+    assert validate.check_trackers(validate.Start(config, False, {})) == [
+        "report_to: unknown trackers ['neptune']; choose from ['mlflow', 'tensorboard', 'wandb'], or [] for none"]
     monkeypatch.setitem(sys.modules, "mlflow", None)
     config = run_config.load(None, ["report_to=[mlflow]", f"output_dir={tmp_path / 'b'}"])
-    with pytest.raises(ConfigError, match=r"not installed: mlflow \(pip install distill-kit\[mlflow\]\)"):
-        cli.run(config)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (problem,) = validate.check_trackers(validate.Start(config, False, {}))
+    assert "not installed: mlflow (pip install distill-kit[mlflow])" in problem
+    assert validate.check_trackers in validate.CHECKS

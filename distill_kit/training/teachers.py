@@ -201,8 +201,12 @@ class MultiTeacherDistiller(Distiller):
     ):
         specs = teacher_specs(teachers)
         check_tokenizers(student, specs)
-        Trainer.__init__(self, training)  # distributed start-up before any ZeRO-3 load
         student_facts = models.facts(student)
+        losses = {spec.name: build_loss(loss, **{f"student_{k}": v for k, v in student_facts.items()},
+                                        **{f"teacher_{k}": v for k, v in models.facts(spec.model).items()})
+                  for spec in specs}
+        ensemble = TeacherEnsembleLoss(losses, {spec.name: spec.weight for spec in specs}, combine)
+        Trainer.__init__(self, training)  # distributed start-up before any ZeRO-3 load
         configs = {}
         for spec in specs:  # every config checked before any teacher loads
             _, configs[spec.name] = deepspeed_config.prepare_pair(
@@ -210,10 +214,6 @@ class MultiTeacherDistiller(Distiller):
                 student_hidden_size=student_facts["hidden_size"], teacher_hidden_size=models.hidden_size(spec.model),
                 world_size=distributed.world_size(), student_overrides=student_ds_overrides,
                 teacher_overrides={**(teacher_ds_overrides or {}), **spec.ds_overrides})
-        losses = {spec.name: build_loss(loss, **{f"student_{k}": v for k, v in student_facts.items()},
-                                        **{f"teacher_{k}": v for k, v in models.facts(spec.model).items()})
-                  for spec in specs}
-        ensemble = TeacherEnsembleLoss(losses, {spec.name: spec.weight for spec in specs}, combine)
         self.teachers: dict[str, nn.Module] = {}
         for spec in specs:  # the teachers load first, one after another, each into its own shards
             model = models.load(spec.model, configs[spec.name], self.training.dtype, ensemble.needs_attentions)
