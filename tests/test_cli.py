@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT, run_ranks
+from launch import ROOT, clean_environment, run_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from distill_kit.data import blocks
@@ -25,7 +25,8 @@ SCRIPT = ROOT / "scripts/distill.py"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=clean_environment())
 
 
 @pytest.fixture(scope="module")
