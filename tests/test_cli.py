@@ -249,3 +249,10 @@ def test_a_checkpoint_disk_without_room_is_refused_naming_the_sizes(tiny, tmp_pa
     assert f"needs about {3 * each / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each" in problem
     monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each)
     assert validate.check_checkpoint_disk(start) == []
+
+
+def test_streaming_needs_held_out_files(tiny, tmp_path):
+    config = run_config.load(None, [*_run_args(tiny, tmp_path / "run"), "data.streaming=true", "data.heldout=null"])
+    start = validate.Start(cli.with_output_dir(config, resume=False), resume=False, identity={})
+    assert validate.check_data(start) == ["data.streaming needs data.heldout files: a stream cannot be split by "
+                                          "fraction"]
