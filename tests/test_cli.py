@@ -256,3 +256,10 @@ def test_streaming_needs_held_out_files(tiny, tmp_path):
     start = validate.Start(cli.with_output_dir(config, resume=False), resume=False, identity={})
     assert validate.check_data(start) == ["data.streaming needs data.heldout files: a stream cannot be split by "
                                           "fraction"]
+
+
+def test_too_little_data_is_a_config_error_and_claims_nothing(tiny, tmp_path):
+    out = tmp_path / "run"
+    message = _main_error(*_run_args(tiny, out), "data.max_train_blocks=1")
+    assert "data: the dataset has 1 blocks but one global batch needs world_size (1) x micro_batch_size (2)" in message
+    assert not (out / "run_identity.json").exists()
