@@ -15,8 +15,9 @@ predicts student token ``r + 1``) is told which one holds for the span of the to
 
 For every counted position, ``teacher_row`` is the teacher position whose prediction is compared: the last
 teacher token that ends at or before the start of the student's predicted token, so the teacher never reads
-text the student has not read. Multi-byte characters that one tokenizer splits into several byte-level
-tokens (all reporting the same character range) end at the same offset, so they always fall in one span;
+text the student has not read. A multi-byte character that a byte-level tokenizer splits into several
+tokens gets exact byte ranges for its pieces; where a tokenizer's pieces cannot be measured, they keep the
+character's range, end at the same offset and so always fall in one span;
 the end of a document is the tokenizer's EOS on both sides, one virtual byte wide, so documents align too.
 """
 
@@ -94,10 +95,35 @@ def encode(tokenizer: Any, text: str, base: int = 0) -> Encoding:
         starts.append(start)
         ends.append(end)
         covered, previous = end - base, (start, end)
+    _split_characters(tokenizer, encoded["input_ids"], starts, ends)
     if covered != prefix[-1]:
         raise ValueError(f"tokenizer {_name(tokenizer)!r} covers {covered} of the {prefix[-1]} bytes of "
                          f"{text[:40]!r}...: cross-tokenizer alignment needs every byte covered")
     return Encoding(list(encoded["input_ids"]), starts, ends)
+
+
+def _split_characters(tokenizer: Any, ids: Sequence[int], starts: list[int], ends: list[int]) -> None:
+    """Give the byte-level pieces of one character their own bytes, in place.
+
+    Character offsets cannot say where inside a multi-byte character a piece ends, so every piece reports the
+    whole character. A byte-level BPE's piece stands for one byte per symbol of its token string, so when the
+    pieces' lengths add up to the character's bytes, each gets its exact range: two byte-level tokenizers that
+    split a character alike then align piece by piece. Otherwise the pieces keep the shared range (one span).
+    """
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and (starts[j + 1], ends[j + 1]) == (starts[i], ends[i]) and starts[i] < ends[i]:
+            j += 1
+        if j > i:
+            if "ByteLevel" in _decoder_types(tokenizer):
+                lengths = [len(token) for token in tokenizer.convert_ids_to_tokens(list(ids[i:j + 1]))]
+                if sum(lengths) == ends[i] - starts[i]:
+                    position = starts[i]
+                    for k, length in zip(range(i, j + 1), lengths, strict=True):
+                        starts[k], ends[k] = position, position + length
+                        position += length
+        i = j + 1
 
 
 def encode_documents(tokenizer: Any, texts: Sequence[str]) -> Encoding:
