@@ -26,6 +26,7 @@ from losses import functional
 from losses.base import DistillationLoss, LossOutput, next_token_labels, normalizer, valid_positions
 from losses.chunked import chunked_loss
 from losses.functional import compute_dtype
+from losses.sparse import SparseTeacherLogits
 
 ONE_TO_ONE, MERGE, SPLIT = 1, 2, 3  # distill_kit.data.alignment's align_kind values
 PAIRED_KEYS = ("teacher_input_ids", "align_kind", "align_teacher_row", "align_teacher_last")
@@ -73,7 +74,8 @@ class CrossTokenizer(DistillationLoss):
     def name(self) -> str:
         return "cross_tokenizer"
 
-    def span_log_probs(self, teacher_logits: torch.Tensor, batch: Mapping[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    def span_log_probs(self, teacher_logits: torch.Tensor, batch: Mapping[str, Any],
+                       dtype: torch.dtype) -> torch.Tensor:
         """(B, Ts): per MERGE position, the teacher's log-probability (at T) of the span's teacher tokens.
 
         Only the teacher rows inside some MERGE span are evaluated, in chunks; their sum over a span is a
@@ -105,6 +107,13 @@ class CrossTokenizer(DistillationLoss):
             raise ValueError(f"cross_tokenizer needs paired blocks (the teacher's tokens and the alignment); the batch "
                              f"lacks {missing}. Build the data with distill_kit.data.paired_blocks, or set "
                              "students[].tokenizer in a run config.")
+        if isinstance(teacher.logits, SparseTeacherLogits):
+            raise ValueError(
+                "cross_tokenizer cannot train from a captured teacher: a store keeps the top-k log-probabilities of "
+                "each teacher position, but where the student merges teacher tokens this loss needs the teacher's "
+                "probability of the token that actually follows (often outside the top k), and its ULD terms need "
+                "whole rows. Distil from the live teacher (the store's own tokenizer check refuses the student's)."
+            )
         kind = batch["align_kind"]
         mask = valid_positions(batch) & (kind > 0)
         rows = mask.reshape(-1).nonzero().squeeze(1)

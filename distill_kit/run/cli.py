@@ -18,7 +18,7 @@ from distill_kit.data import blocks
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import distributed
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config
+from distill_kit.run import report, run_config, student_tokenizer
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.training import checkpoint, preemption
@@ -49,14 +49,18 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
 
 
 def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
-    """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
-    fresh one built from the teacher's config with ``init`` overrides and saved, so that it loads like any
-    pretrained model: under its own ZeRO layout, and identically for every run that shares the seed."""
+    """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
+    teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
+    with ``init`` overrides (and the students' vocabulary) and saved, so that it loads like any pretrained
+    model: under its own ZeRO layout, and identically for every run that shares the seed."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
-            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            try:
+                check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            except ValueError as err:
+                raise ConfigError(f"students[{student.name}].model: {err}") from None
         return StudentSpec(model=student.model, **spec)
     model_config = AutoConfig.from_pretrained(config.teacher)
     unknown = [key for key in student.init if not hasattr(model_config, key)]
@@ -65,6 +69,10 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
                           f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main():
+        if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
+            model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                                 "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
+                                 "pad_token_id": tokenizer.pad_token_id})
         model_config.update(dict(student.init))
         torch.manual_seed(config.training.seed)
         AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
@@ -148,8 +156,11 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         raise ConfigError(problem)
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
+    if own is not None:
+        tokenizer = own.tokenizer
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, own and own.tokenize))
     rank, world = distributed.rank(), distributed.world_size()
     mbs = config.training.micro_batch_size
     train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
@@ -158,6 +169,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         config.teacher, specs, training=config.training,
         teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
         student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+        vocab_map=own and own.vocab_map,
     )
     resumed = students.resume() if resume else None
     log = RunLog(out, resumed_at=students.step if resumed else None)
