@@ -23,7 +23,6 @@ the end of a document is the tokenizer's EOS on both sides, one virtual byte wid
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 NONE, ONE_TO_ONE, MERGE, SPLIT = 0, 1, 2, 3
@@ -54,52 +54,65 @@ class Encoding:
         return Encoding(self.ids[begin:stop], self.starts[begin:stop], self.ends[begin:stop])
 
     def byte_counts(self) -> list[int]:
-        """Bytes of new text each token adds; the pieces of a split character after the first add none."""
-        counts, covered = [], self.starts[0] if self.ids else 0
-        for start, end in zip(self.starts, self.ends, strict=True):
-            counts.append(max(end - max(start, covered), 0))
-            covered = max(covered, end)
-        return counts
+        """Bytes of new text each token adds; pieces of one character sharing its range add none after the first."""
+        if not self.ids:
+            return []
+        starts, ends = np.asarray(self.starts, dtype=np.int64), np.asarray(self.ends, dtype=np.int64)
+        covered = np.maximum.accumulate(np.concatenate([[starts[0]], ends[:-1]]))
+        return np.maximum(ends - np.maximum(starts, covered), 0).tolist()
 
 
-def _byte_prefix(text: str) -> list[int]:
-    """``prefix[i]`` = UTF-8 bytes of ``text[:i]``."""
-    prefix = [0]
-    for char in text:
-        prefix.append(prefix[-1] + len(char.encode("utf-8")))
-    return prefix
+def _byte_prefix(text: str) -> np.ndarray:
+    """``prefix[i]`` = UTF-8 bytes of ``text[:i]``, from each code point's UTF-8 width."""
+    if text.isascii():
+        return np.arange(len(text) + 1)
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    widths = 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
+    return np.concatenate([[0], np.cumsum(widths)])
 
 
-def encode(tokenizer: Any, text: str, base: int = 0) -> Encoding:
-    """``text`` tokenised without special tokens, with byte ranges shifted by ``base``.
-
-    The ranges must tile the text: each token starts where the previous ended, repeats its range (pieces of
-    one character) or is empty. Offsets that skip or overlap text (a post-processor that trims them, a
-    slow tokenizer) would make spans of different text look equal, so they are refused.
-    """
+def _tokenize(tokenizer: Any, texts: list[str]) -> Any:
     try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError as err:  # slow (Python) tokenizers have no offsets
         raise ValueError(f"tokenizer {_name(tokenizer)!r} gives no offsets; cross-tokenizer distillation needs a "
                          "fast tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))") from err
+
+
+def encode(tokenizer: Any, text: str, base: int = 0) -> Encoding:
+    """``text`` tokenised without special tokens, with byte ranges shifted by ``base``."""
+    encoded = _tokenize(tokenizer, [text])
+    return _with_bytes(tokenizer, text, encoded["input_ids"][0], encoded["offset_mapping"][0], base)
+
+
+def _with_bytes(tokenizer: Any, text: str, ids: list[int], offsets: Sequence[tuple[int, int]], base: int) -> Encoding:
+    """Character offsets -> byte ranges, checked to tile the text.
+
+    Each token must start where the previous ended, repeat its range (pieces of one character) or be empty.
+    Offsets that skip or overlap text (a post-processor that trims them) would make spans of different text
+    look equal, so they are refused.
+    """
     prefix = _byte_prefix(text)
-    starts, ends, covered, previous = [], [], 0, None
-    for char_start, char_end in encoded["offset_mapping"]:
-        start, end = base + prefix[char_start], base + prefix[char_end]
-        if not (start == base + covered or (start, end) == previous or start == end == base + covered):
-            raise ValueError(
-                f"tokenizer {_name(tokenizer)!r} gives offsets that skip or overlap text near byte {start - base} of "
-                f"{text[:40]!r}...: cross-tokenizer alignment needs offsets that cover the text exactly. Use a fast "
-                "tokenizer whose post-processor keeps offsets untrimmed (ByteLevel trim_offsets=False)."
-            )
-        starts.append(start)
-        ends.append(end)
-        covered, previous = end - base, (start, end)
-    _split_characters(tokenizer, encoded["input_ids"], starts, ends)
+    chars = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = prefix[chars[:, 0]], prefix[chars[:, 1]]
+    previous_start = np.concatenate([[-1], starts[:-1]])
+    previous_end = np.concatenate([[0], ends[:-1]])
+    repeated = (starts == previous_start) & (ends == previous_end) & (starts < ends)
+    bad = np.flatnonzero(~((starts == previous_end) | repeated))
+    if bad.size:
+        raise ValueError(
+            f"tokenizer {_name(tokenizer)!r} gives offsets that skip or overlap text near byte {starts[bad[0]]} of "
+            f"{text[:40]!r}...: cross-tokenizer alignment needs offsets that cover the text exactly. Use a fast "
+            "tokenizer whose post-processor keeps offsets untrimmed (ByteLevel trim_offsets=False)."
+        )
+    covered = int(ends[-1]) if len(ends) else 0
     if covered != prefix[-1]:
         raise ValueError(f"tokenizer {_name(tokenizer)!r} covers {covered} of the {prefix[-1]} bytes of "
                          f"{text[:40]!r}...: cross-tokenizer alignment needs every byte covered")
-    return Encoding(list(encoded["input_ids"]), starts, ends)
+    starts, ends = (starts + base).tolist(), (ends + base).tolist()
+    if repeated.any():
+        _split_characters(tokenizer, ids, starts, ends)
+    return Encoding(list(ids), starts, ends)
 
 
 def _split_characters(tokenizer: Any, ids: Sequence[int], starts: list[int], ends: list[int]) -> None:
@@ -116,7 +129,7 @@ def _split_characters(tokenizer: Any, ids: Sequence[int], starts: list[int], end
         while j + 1 < len(ids) and (starts[j + 1], ends[j + 1]) == (starts[i], ends[i]) and starts[i] < ends[i]:
             j += 1
         if j > i:
-            if "ByteLevel" in _decoder_types(tokenizer):
+            if _is_byte_level(tokenizer):
                 lengths = [len(token) for token in tokenizer.convert_ids_to_tokens(list(ids[i:j + 1]))]
                 if sum(lengths) == ends[i] - starts[i]:
                     position = starts[i]
@@ -130,12 +143,13 @@ def encode_documents(tokenizer: Any, texts: Sequence[str]) -> Encoding:
     """Documents one after another, each followed by the tokenizer's EOS (``EOS_WIDTH`` virtual bytes wide)."""
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {_name(tokenizer)!r} has no EOS token; packing needs one to separate documents")
+    encoded = _tokenize(tokenizer, list(texts))  # one call: the fast tokenizer spreads it over threads
     ids: list[int] = []
     starts: list[int] = []
     ends: list[int] = []
     base = 0
-    for text in texts:
-        part = encode(tokenizer, text, base)
+    for text, text_ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        part = _with_bytes(tokenizer, text, text_ids, offsets, base)
         base = part.ends[-1] if part.ids else base
         ids += part.ids + [tokenizer.eos_token_id]
         starts += part.starts + [base]
@@ -151,24 +165,20 @@ def spans(student_ends: Sequence[int], teacher_ends: Sequence[int]) -> Iterator[
     split character, empty tokens) join it. The last span is ``matched=False`` when the two sides end at
     different bytes (a block cut that could not fall on a shared boundary): its texts differ.
     """
-    i = j = s0 = t0 = 0
-    n_s, n_t = len(student_ends), len(teacher_ends)
-    while i < n_s and j < n_t:
-        if student_ends[i] < teacher_ends[j]:
-            i += 1
-        elif teacher_ends[j] < student_ends[i]:
-            j += 1
-        else:
-            end = student_ends[i]
-            while i + 1 < n_s and student_ends[i + 1] == end:
-                i += 1
-            while j + 1 < n_t and teacher_ends[j + 1] == end:
-                j += 1
-            i, j = i + 1, j + 1
-            yield s0, i, t0, j, True
-            s0, t0 = i, j
-    if s0 < n_s or t0 < n_t:
-        yield s0, n_s, t0, n_t, False
+    s_cut, t_cut = shared_boundaries(student_ends, teacher_ends)
+    s0 = t0 = 0
+    for s1, t1 in zip(s_cut.tolist(), t_cut.tolist(), strict=True):
+        yield s0, s1, t0, t1, True
+        s0, t0 = s1, t1
+    if s0 < len(student_ends) or t0 < len(teacher_ends):
+        yield s0, len(student_ends), t0, len(teacher_ends), False
+
+
+def shared_boundaries(student_ends: Sequence[int], teacher_ends: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Token counts ``(s, t)`` of both sides at every byte where both end a token, in increasing order."""
+    student_ends, teacher_ends = np.asarray(student_ends, dtype=np.int64), np.asarray(teacher_ends, dtype=np.int64)
+    shared = np.intersect1d(student_ends, teacher_ends)
+    return (np.searchsorted(student_ends, shared, side="right"), np.searchsorted(teacher_ends, shared, side="right"))
 
 
 @dataclass(frozen=True)
@@ -188,18 +198,23 @@ class Alignment:
 def align(student: Encoding, teacher: Encoding) -> Alignment:
     """The alignment of two encodings of the same text (see the module docstring)."""
     n = len(student)
-    kind, row, last = [NONE] * n, [0] * n, [0] * n
-    for s0, s1, t0, t1, matched in spans(student.ends, teacher.ends):
-        if not matched or s0 == 0 or t0 == 0:  # the first span of a block has no row before it on either side
-            continue
-        if s1 - s0 == 1:
-            kind[s0 - 1] = ONE_TO_ONE if t1 - t0 == 1 else MERGE
-            row[s0 - 1], last[s0 - 1] = t0 - 1, t1 - 2
-            continue
-        for token in range(s0, s1):
-            teacher_row = bisect.bisect_right(teacher.ends, student.starts[token], lo=t0 - 1, hi=t1) - 1
-            kind[token - 1], row[token - 1], last[token - 1] = SPLIT, teacher_row, teacher_row
-    return Alignment(kind, row, last)
+    kind, row, last = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    s1, t1 = shared_boundaries(student.ends, teacher.ends)
+    s0, t0 = np.concatenate([[0], s1[:-1]]), np.concatenate([[0], t1[:-1]])
+    counted = (s0 > 0) & (t0 > 0)  # the first span of a block has no row before it on either side
+    one = counted & (s1 - s0 == 1)
+    position = s0[one] - 1
+    kind[position] = np.where(t1[one] - t0[one] == 1, ONE_TO_ONE, MERGE)
+    row[position], last[position] = t0[one] - 1, t1[one] - 2
+    many = counted & (s1 - s0 > 1)
+    if many.any():  # every student token of the span, against the teacher row that has read no further
+        lengths = (s1 - s0)[many]
+        tokens = np.repeat(s0[many], lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths,
+                                                                                   lengths)
+        starts = np.asarray(student.starts, dtype=np.int64)[tokens]
+        kind[tokens - 1] = SPLIT
+        row[tokens - 1] = last[tokens - 1] = np.searchsorted(np.asarray(teacher.ends), starts, side="right") - 1
+    return Alignment(kind.tolist(), row.tolist(), last.tolist())
 
 
 # ---- the vocabulary map: student tokens whose text is a teacher token -------------------------------------
@@ -217,14 +232,9 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(visible, chars, strict=True)}
 
 
-def _decoder_types(tokenizer: Any) -> set[str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return set()
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    found = {decoder.get("type")}
-    found |= {part.get("type") for part in decoder.get("decoders", [])}
-    return {name for name in found if name}
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer decodes with GPT-2's byte-level alphabet (alone or in a sequence of decoders)."""
+    return "ByteLevel" in repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
 
 
 def token_texts(tokenizer: Any) -> dict[int, Any]:
@@ -235,7 +245,7 @@ def token_texts(tokenizer: Any) -> dict[int, Any]:
     content, apart from text, so ``<|endoftext|>`` maps to ``<|endoftext|>`` only.
     """
     specials = set(getattr(tokenizer, "all_special_tokens", [])) | set(tokenizer.get_added_vocab())
-    byte_level = "ByteLevel" in _decoder_types(tokenizer)
+    byte_level = _is_byte_level(tokenizer)
     decoder = _byte_decoder()
     keys: dict[int, Any] = {}
     for token, token_id in tokenizer.get_vocab().items():

@@ -21,8 +21,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import datasets
+import numpy as np
 
-from distill_kit.data.alignment import Encoding, align, encode_documents, spans
+from distill_kit.data.alignment import Encoding, align, encode_documents, shared_boundaries
 from distill_kit.data.blocks import IGNORE_INDEX, MAP_BATCH_SIZE
 
 STUDENT_COLUMNS = ("input_ids", "attention_mask", "labels", "token_bytes")
@@ -33,22 +34,20 @@ PAIRED_COLUMNS = STUDENT_COLUMNS + TEACHER_COLUMNS + ALIGN_COLUMNS
 
 def cut_points(student: Encoding, teacher: Encoding, block_size: int, teacher_block_size: int) -> Iterator[tuple]:
     """``((s0, s1), (t0, t1))`` token ranges of successive blocks, cut at shared boundaries where they fit."""
-    shared = [(s1, t1) for _, s1, _, t1, matched in spans(student.ends, teacher.ends) if matched]
-    s0 = t0 = k = 0
+    s_cut, t_cut = shared_boundaries(student.ends, teacher.ends)
+    s0 = t0 = 0
     while s0 < len(student) or t0 < len(teacher):
-        while k < len(shared) and (shared[k][0] <= s0 or shared[k][1] <= t0):
-            k += 1
-        best = None
-        while k < len(shared) and shared[k][0] - s0 <= block_size and shared[k][1] - t0 <= teacher_block_size:
-            best = shared[k]
-            k += 1
-        if best is None:  # one span larger than a block: cut inside it (see the module docstring)
+        # the furthest shared boundary within both budgets (both counts increase along the boundaries)
+        k = min(np.searchsorted(s_cut, s0 + block_size, side="right"),
+                np.searchsorted(t_cut, t0 + teacher_block_size, side="right")) - 1
+        if k >= 0 and s_cut[k] > s0 and t_cut[k] > t0:
+            s1, t1 = int(s_cut[k]), int(t_cut[k])
+        else:  # one span larger than a block: cut inside it (see the module docstring)
             s1 = min(s0 + block_size, len(student))
             t1 = bisect.bisect_right(teacher.ends, student.ends[s1 - 1]) if s1 > s0 else len(teacher)
             t1 = max(min(t1, t0 + teacher_block_size), min(t0 + 1, len(teacher)))
-            best = (s1, t1)
-        yield (s0, best[0]), (t0, best[1])
-        s0, t0 = best
+        yield (s0, s1), (t0, t1)
+        s0, t0 = s1, t1
 
 
 def _padded(encoding: Encoding, size: int, pad_id: int) -> dict[str, list[int]]:
