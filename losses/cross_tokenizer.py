@@ -152,7 +152,7 @@ class CrossTokenizer(DistillationLoss):
         total = chunked_loss(student_logits.reshape(-1, s_vocab), rows, chunk_loss, self.chunk_size)
         if self.scale_by_t2:
             total = total * temperature**2
-        loss = total / normalizer(batch, mask)
+        loss = total / normalizer(batch, valid_positions(batch))  # per student token, as cross_entropy
         return LossOutput(loss, {self.name: loss.detach()})
 
 

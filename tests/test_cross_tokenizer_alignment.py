@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from tiny_tokenizers import EOS, bpe
 
 from distill_kit.data.alignment import (
     MERGE,
@@ -19,26 +18,6 @@ from distill_kit.data.alignment import (
     encode_documents,
 )
 from distill_kit.data.paired_blocks import cut_points, tokenize_to_paired_blocks
-
-EOS = "<|endoftext|>"
-
-
-def bpe(*merges: str, trim_offsets: bool | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with exactly these merges ("a b" joins a and b), in order."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {EOS: 0} | {char: i + 1 for i, char in enumerate(sorted(alphabet))}
-    pairs = []
-    for merge in merges:
-        left, right = merge.split(" ")
-        pairs.append((left, right))
-        vocab.setdefault(left + right, len(vocab))
-    model = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = decoders.ByteLevel()
-    model.add_special_tokens([EOS])
-    if trim_offsets is not None:
-        model.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
-    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token=EOS, pad_token=EOS)
 
 
 def pieces(tokenizer, encoding):
@@ -165,3 +144,31 @@ def test_paired_dataset_columns_and_bytes(tmp_path):
     assert sum(map(sum, rows["token_bytes"])) == sum(map(sum, rows["teacher_token_bytes"])) == total
     for labels, mask in zip(rows["teacher_labels"], rows["teacher_attention_mask"], strict=True):
         assert all((label == -100) == (m == 0) for label, m in zip(labels, mask, strict=True))
+
+
+def test_tokenizer_mismatch_errors_name_the_loss_to_use():
+    from torch import nn
+
+    from distill_kit.distiller import check_vocabularies
+    from distill_kit.engines.models import check_tokenizers
+
+    with pytest.raises(ValueError, match="cross_tokenizer.*student_tokenizer"):
+        check_tokenizers(bpe("a b"), bpe())
+    student, teacher = nn.Module(), nn.Module()
+    student.config, teacher.config = type("C", (), {"vocab_size": 300})(), type("C", (), {"vocab_size": 260})()
+    with pytest.raises(ValueError, match="use loss cross_tokenizer"):
+        check_vocabularies(student, teacher)
+
+
+def test_a_run_with_student_tokenizer_refuses_losses_that_compare_token_ids(tmp_path):
+    from distill_kit.run import run_config, student_tokenizer
+
+    config = run_config.load(None, ["student_tokenizer=bpe:300", f"output_dir={tmp_path}",
+                                    "students=[{name: a, loss: [{name: cross_entropy, weight: 1}, "
+                                    "{name: reverse_kl, weight: 1}]}]"])
+    with pytest.raises(run_config.ConfigError, match=r"students\[a\].loss: reverse_kl .* Use cross_tokenizer"):
+        student_tokenizer.prepare(config, config.data, bpe())
+    bad_size = run_config.load(None, ["student_tokenizer=bpe:100", f"output_dir={tmp_path}",
+                                      "students=[{name: a, loss: cross_tokenizer}]"])
+    with pytest.raises(run_config.ConfigError, match="above 256"):
+        student_tokenizer.prepare(bad_size, bad_size.data, bpe())

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cross_tokenizer_alignment import bpe
+from tiny_tokenizers import bpe
 
 from distill_kit.data.alignment import VocabMap
 from distill_kit.data.paired_blocks import tokenize_to_paired_blocks
@@ -25,7 +25,7 @@ def hand_batch() -> dict[str, torch.Tensor]:
     batch = {
         "input_ids": torch.tensor([[1, 2, 3, 4, 5, 6], [6, 5, 0, 3, 2, 1]]),
         "teacher_input_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 6], [8, 7, 6, 5, 4, 3, 2]]),
-        "align_kind": torch.tensor([[1, 2, 3, 3, 1, 0], [2, 1, 1, 3, 1, 0]]),
+        "align_kind": torch.tensor([[1, 2, 3, 3, 1, 0], [2, 1, 1, 0, 1, 0]]),  # [1, 3]: counted, not compared
         "align_teacher_row": torch.tensor([[0, 1, 3, 3, 4, 0], [0, 2, 3, 4, 5, 0]]),
         "align_teacher_last": torch.tensor([[0, 2, 3, 3, 4, 0], [1, 2, 3, 4, 5, 0]]),
     }
@@ -36,7 +36,7 @@ def hand_batch() -> dict[str, torch.Tensor]:
 
 
 def reference(student: torch.Tensor, teacher: torch.Tensor, batch, temperature: float, uld_weight: float) -> float:
-    """The loss per counted token, from the definitions, one position at a time in float64."""
+    """The loss per counted student token, from the definitions, one position at a time in float64."""
     total, count = 0.0, 0
     for b in range(student.shape[0]):
         for r in range(student.shape[1] - 1):
@@ -149,3 +149,12 @@ def test_span_divergence_stays_finite_when_the_teacher_is_certain():
     a = torch.tensor([-1e-12, -0.1, -0.7, -5.0, -40.0], dtype=torch.float64)
     assert torch.allclose(functional.log1mexp(a), torch.tensor([math.log(-math.expm1(x)) for x in a.tolist()],
                                                                dtype=torch.float64), rtol=1e-12)
+
+
+def test_a_captured_teacher_is_refused_with_the_reason():
+    from losses.sparse import SparseTeacherLogits
+
+    sparse = SparseTeacherLogits(torch.zeros(2, 7, 4), torch.zeros(2, 7, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot train from a captured teacher.*outside the top k"):
+        CrossTokenizer(vocab_map())(SimpleNamespace(logits=torch.zeros(2, 6, VS)), SimpleNamespace(logits=sparse),
+                                    hand_batch())
