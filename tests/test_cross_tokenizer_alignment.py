@@ -172,3 +172,20 @@ def test_a_run_with_student_tokenizer_refuses_losses_that_compare_token_ids(tmp_
                                       "students=[{name: a, loss: cross_tokenizer}]"])
     with pytest.raises(run_config.ConfigError, match="above 256"):
         student_tokenizer.prepare(bad_size, bad_size.data, bpe())
+
+
+def test_loader_fills_the_last_batch_with_paired_blocks_that_count_nothing():
+    import datasets
+
+    from distill_kit.data.blocks import BlockLoader
+
+    student, teacher = bpe("h e", "l l", "he ll", "hell o"), bpe("h e", "l l", "ll o")
+    data = datasets.Dataset.from_dict({"text": ["hello héllo oh", "oh hello x", "x y z hello"]})
+    blocks = tokenize_to_paired_blocks(data, student, teacher_tokenizer=teacher, block_size=6)
+    assert len(blocks) % 4 != 0
+    loader = BlockLoader(blocks, 2, rank=1, world_size=2, shuffle=False, drop_last=False)
+    last = list(loader)[-1]
+    assert set(last) == set(blocks.column_names)
+    filler = last["labels"][-1]
+    assert (filler == -100).all() and (last["teacher_labels"][-1] == -100).all()
+    assert last["teacher_input_ids"].shape[1] == 6 and last["align_kind"].shape == last["input_ids"].shape
