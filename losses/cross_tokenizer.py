@@ -4,8 +4,8 @@ The batch holds the same text tokenised by both (``distill_kit/data/paired_block
 position, what its prediction is compared with (``distill_kit/data/alignment.py``). Per kind of span:
 
 * one student token, one teacher token, same text: :func:`losses.functional.exact_token_divergence`,
-  KL over the tokens the two vocabularies share (a vocabulary map built once and saved with the run) plus
-  one "unmapped" outcome, and ULD on the unmapped tokens' sorted probabilities;
+  KL over the tokens the two vocabularies share (a vocabulary map built once and saved with the run),
+  renormalised over them (or, optionally, with the unmapped mass as one more outcome and ULD on its shape);
 * one student token over several teacher tokens: the teacher's probabilities merged to the student's
   segmentation by the chain rule, :func:`losses.functional.span_divergence`;
 * several student tokens in a span: no teacher probability exists for the pieces, so ULD on whole rows
@@ -42,14 +42,22 @@ class CrossTokenizer(DistillationLoss):
 
     Args:
         vocab_map: a :class:`distill_kit.data.alignment.VocabMap` or the path of one saved as JSON.
-        uld_weight: weight of the ULD terms (unmapped tokens of one-to-one spans; split spans) against the KLs.
+        uld_weight: weight of ULD on the rows of split spans, where nothing exact exists, against the KLs.
+        unmapped: at one-to-one rows, "renormalise" the shared tokens' probabilities (the default), or "bucket"
+            the unmapped mass as one outcome. The bucket asks the student to put on its own tokens that the
+            teacher lacks what the teacher puts on its tokens that the student lacks; when one tokenizer is the
+            coarser, those are different events (the text of a student-only token is often a teacher token plus
+            more), so it is off by default (docs/losses.md#cross-tokenizer).
+        unmapped_uld_weight: ULD on the unmapped tokens' sorted probabilities at one-to-one rows (GOLD's hybrid);
+            0 by default for the same reason.
         temperature, scale_by_t2, chunk_size: as for every logit loss (:class:`losses.LogitLoss`).
     """
 
     cross_tokenizer = True
 
     def __init__(self, vocab_map: Any = None, temperature: float = 1.0, scale_by_t2: bool = True,
-                 chunk_size: int = 1024, uld_weight: float = 1.0):
+                 chunk_size: int = 1024, uld_weight: float = 1.0, unmapped: str = "renormalise",
+                 unmapped_uld_weight: float = 0.0):
         super().__init__()
         if vocab_map is None:
             raise ValueError(
@@ -61,11 +69,15 @@ class CrossTokenizer(DistillationLoss):
             from distill_kit.data.alignment import VocabMap  # the map is a data artefact; only its path is here
 
             vocab_map = VocabMap.load(vocab_map)
-        if temperature <= 0 or chunk_size <= 0 or uld_weight < 0:
-            raise ValueError(f"cross_tokenizer: temperature and chunk_size must be > 0 and uld_weight >= 0; got "
-                             f"{temperature}, {chunk_size}, {uld_weight}")
+        if temperature <= 0 or chunk_size <= 0 or uld_weight < 0 or unmapped_uld_weight < 0:
+            raise ValueError(f"cross_tokenizer: temperature and chunk_size must be > 0, uld_weight and "
+                             f"unmapped_uld_weight >= 0; got {temperature}, {chunk_size}, {uld_weight}, "
+                             f"{unmapped_uld_weight}")
+        if unmapped not in ("renormalise", "bucket"):
+            raise ValueError(f"cross_tokenizer: unmapped must be 'renormalise' or 'bucket', got {unmapped!r}")
         self.temperature, self.scale_by_t2 = float(temperature), scale_by_t2
         self.chunk_size, self.uld_weight = int(chunk_size), float(uld_weight)
+        self.bucket, self.unmapped_uld_weight = unmapped == "bucket", float(unmapped_uld_weight)
         student_ids, teacher_ids = vocab_map.tensors()
         self.register_buffer("student_ids", student_ids, persistent=False)
         self.register_buffer("teacher_ids", teacher_ids, persistent=False)
@@ -144,7 +156,8 @@ class CrossTokenizer(DistillationLoss):
                 else:
                     teacher = teacher_flat[teacher_rows[picked]].to(student_rows.dtype) / temperature
                     value = (functional.exact_token_divergence(rows_, teacher, student_ids, teacher_ids,
-                                                               student_unmapped, teacher_unmapped, self.uld_weight)
+                                                               student_unmapped, teacher_unmapped, self.bucket,
+                                                               self.unmapped_uld_weight)
                              if which == ONE_TO_ONE else self.uld_weight * functional.uld(rows_, teacher))
                 out = out.index_add(0, pick, value)
             return out

@@ -206,22 +206,29 @@ def exact_token_divergence(
     teacher_ids: torch.Tensor,
     student_unmapped: torch.Tensor,
     teacher_unmapped: torch.Tensor,
-    uld_weight: float,
+    bucket: bool = False,
+    unmapped_uld_weight: float = 0.0,
 ) -> torch.Tensor:
-    """KL(p || q) over the mapped tokens and one "unmapped" outcome, plus ``uld_weight`` x ULD on the unmapped.
+    """KL(p || q) over the tokens both vocabularies have, for two rows that predict the same text.
 
-    For two rows that predict the same text (GOLD's hybrid, TRL): where a token of one vocabulary is a token
-    of the other, their probabilities are compared one to one (:func:`mapped_rows`, then :func:`forward_kl`,
-    whose ``log_softmax`` leaves log-probability rows unchanged); the tokens without a counterpart
-    (``student_unmapped`` (a,), ``teacher_unmapped`` (b,) ids) are compared by their sorted probabilities
-    (:func:`sorted_l1`). With one tokenizer on both sides there is nothing unmapped: forward KL exactly.
+    Where a token of one vocabulary is a token of the other (``student_ids[i]``, ``teacher_ids[i]``), their
+    probabilities are of the same event and are compared one to one. The mass on tokens without a counterpart
+    (``student_unmapped`` (a,), ``teacher_unmapped`` (b,) ids) is, with ``bucket`` False, left out: both sides
+    renormalised over the shared tokens, as :func:`top_k_rows` renormalises over a captured top k. With
+    ``bucket`` True it is one more outcome, "a token the other has not" (:func:`mapped_rows`), which pushes the
+    two unmapped masses together. ``unmapped_uld_weight`` adds ULD on the unmapped tokens' sorted probabilities
+    (GOLD's hybrid, TRL). With one tokenizer on both sides nothing is unmapped: forward KL exactly, either way.
     """
-    student_rows, teacher_rows = mapped_rows(student_logits, teacher_logits, student_ids, teacher_ids)
+    if bucket:
+        student_rows, teacher_rows = mapped_rows(student_logits, teacher_logits, student_ids, teacher_ids)
+    else:  # log_softmax over a subset of the logits is the distribution renormalised over that subset
+        student_rows, teacher_rows = student_logits.index_select(-1, student_ids), teacher_logits.index_select(
+            -1, teacher_ids)
     loss = forward_kl(student_rows, teacher_rows)
-    if uld_weight and student_unmapped.numel() + teacher_unmapped.numel():
+    if unmapped_uld_weight and student_unmapped.numel() + teacher_unmapped.numel():
         student_rest = F.softmax(student_logits, dim=-1).index_select(-1, student_unmapped)
         teacher_rest = F.softmax(teacher_logits, dim=-1).index_select(-1, teacher_unmapped)
-        loss = loss + uld_weight * sorted_l1(student_rest, teacher_rest)
+        loss = loss + unmapped_uld_weight * sorted_l1(student_rest, teacher_rest)
     return loss
 
 

@@ -35,7 +35,8 @@ def hand_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
-def reference(student: torch.Tensor, teacher: torch.Tensor, batch, temperature: float, uld_weight: float) -> float:
+def reference(student: torch.Tensor, teacher: torch.Tensor, batch, temperature: float, uld_weight: float,
+              bucket: bool = False, unmapped_uld_weight: float = 0.0) -> float:
     """The loss per counted student token, from the definitions, one position at a time in float64."""
     total, count = 0.0, 0
     for b in range(student.shape[0]):
@@ -56,13 +57,17 @@ def reference(student: torch.Tensor, teacher: torch.Tensor, batch, temperature: 
             unmapped_q = sorted((q[i] for i in range(len(q)) if i not in PAIRS), reverse=True)
             unmapped_p = sorted((p[i] for i in range(len(p)) if i not in PAIRS.values()), reverse=True)
             if kind == 1:
-                kl = sum(p[t] * math.log(p[t] / q[s]) for s, t in PAIRS.items())
-                p_rest, q_rest = 1 - sum(p[t] for t in PAIRS.values()), 1 - sum(q[s] for s in PAIRS)
-                kl += p_rest * math.log(p_rest / q_rest)
+                p_shared, q_shared = sum(p[t] for t in PAIRS.values()), sum(q[s] for s in PAIRS)
+                if bucket:  # the shared tokens as they are, and the rest as one more outcome
+                    kl = sum(p[t] * math.log(p[t] / q[s]) for s, t in PAIRS.items())
+                    kl += (1 - p_shared) * math.log((1 - p_shared) / (1 - q_shared))
+                else:  # both renormalised over the shared tokens
+                    kl = sum(p[t] / p_shared * math.log((p[t] / p_shared) / (q[s] / q_shared))
+                             for s, t in PAIRS.items())
                 width = max(len(unmapped_p), len(unmapped_q))
                 unmapped_p += [0.0] * (width - len(unmapped_p))
                 unmapped_q += [0.0] * (width - len(unmapped_q))
-                total += kl + uld_weight * sum(abs(a - c) for a, c in zip(unmapped_q, unmapped_p, strict=True))
+                total += kl + unmapped_uld_weight * sum(abs(a - c) for a, c in zip(unmapped_q, unmapped_p, strict=True))
             elif kind == 3:
                 sq, sp = sorted(q, reverse=True), sorted(p, reverse=True) + []
                 sq += [0.0] * (len(sp) - len(sq))
@@ -74,24 +79,31 @@ def vocab_map() -> VocabMap:
     return VocabMap(tuple(PAIRS), tuple(PAIRS.values()))
 
 
-@pytest.mark.parametrize("temperature,uld_weight,chunk_size", [(1.0, 1.0, 1024), (2.0, 0.5, 3), (0.7, 0.0, 1)])
-def test_matches_float64_reference(temperature, uld_weight, chunk_size):
+@pytest.mark.parametrize("temperature,uld_weight,chunk_size,unmapped,unmapped_uld_weight", [
+    (1.0, 1.0, 1024, "renormalise", 0.0), (2.0, 0.5, 3, "bucket", 1.0), (0.7, 0.0, 1, "bucket", 0.0),
+    (1.3, 2.0, 2, "renormalise", 0.5)])
+def test_matches_float64_reference(temperature, uld_weight, chunk_size, unmapped, unmapped_uld_weight):
     generator = torch.Generator().manual_seed(0)
     student = torch.randn(2, 6, VS, generator=generator, dtype=torch.float64) * 2
     teacher = torch.randn(2, 7, VT, generator=generator, dtype=torch.float64) * 2
     batch = hand_batch()
-    loss = CrossTokenizer(vocab_map(), temperature=temperature, uld_weight=uld_weight, chunk_size=chunk_size)
+    loss = CrossTokenizer(vocab_map(), temperature=temperature, uld_weight=uld_weight, chunk_size=chunk_size,
+                          unmapped=unmapped, unmapped_uld_weight=unmapped_uld_weight)
     value = loss(SimpleNamespace(logits=student), SimpleNamespace(logits=teacher), batch).total
-    assert value.item() == pytest.approx(reference(student, teacher, batch, temperature, uld_weight), rel=1e-10)
+    expected = reference(student, teacher, batch, temperature, uld_weight, unmapped == "bucket", unmapped_uld_weight)
+    assert value.item() == pytest.approx(expected, rel=1e-10)
 
 
 def test_gradient_matches_finite_differences():
     generator = torch.Generator().manual_seed(1)
     student = torch.randn(2, 6, VS, generator=generator, dtype=torch.float64, requires_grad=True)
     teacher = torch.randn(2, 7, VT, generator=generator, dtype=torch.float64)
-    batch, loss = hand_batch(), CrossTokenizer(vocab_map(), temperature=1.5, chunk_size=4)
-    assert torch.autograd.gradcheck(
-        lambda s: loss(SimpleNamespace(logits=s), SimpleNamespace(logits=teacher), batch).total, (student,))
+    batch = hand_batch()
+    for options in ({}, {"unmapped": "bucket", "unmapped_uld_weight": 1.0}):
+        loss = CrossTokenizer(vocab_map(), temperature=1.5, chunk_size=4, **options)
+        assert torch.autograd.gradcheck(
+            lambda s, loss=loss: loss(SimpleNamespace(logits=s), SimpleNamespace(logits=teacher), batch).total,
+            (student,))
 
 
 def test_one_tokenizer_on_both_sides_is_forward_kl_exactly():
@@ -108,8 +120,9 @@ def test_one_tokenizer_on_both_sides_is_forward_kl_exactly():
     generator = torch.Generator().manual_seed(2)
     student = torch.randn(*batch["input_ids"].shape, vocab, generator=generator, dtype=torch.float64)
     teacher = torch.randn(*batch["input_ids"].shape, vocab, generator=generator, dtype=torch.float64)
-    for temperature in (1.0, 2.0):
-        cross = CrossTokenizer(VocabMap.build(tokenizer, tokenizer), temperature=temperature)
+    for temperature, unmapped in ((1.0, "renormalise"), (2.0, "renormalise"), (1.0, "bucket")):
+        cross = CrossTokenizer(VocabMap.build(tokenizer, tokenizer), temperature=temperature, unmapped=unmapped,
+                               unmapped_uld_weight=1.0)
         plain = ForwardKL(temperature=temperature)
         out = cross(SimpleNamespace(logits=student), SimpleNamespace(logits=teacher), batch).total
         expected = plain(SimpleNamespace(logits=student), SimpleNamespace(logits=teacher), batch).total

@@ -76,7 +76,10 @@ def main(out: Path, uld_weight: float, name: str) -> None:
     train = paired(16, 0).select(range(STEPS * GAS * world * MBS))
     all_batches = micro_batches(train)
     mine = [all_batches[(s * world + rank) * GAS + m] for s in range(STEPS) for m in range(GAS)]
-    loss_spec = [LOSS[0], {**LOSS[1], "uld_weight": uld_weight}]
+    # with ULD, also the unmapped bucket and ULD on the unmapped tokens: every option of the loss
+    options = {"uld_weight": 0.0} if not uld_weight else {"uld_weight": uld_weight, "unmapped": "bucket",
+                                                          "unmapped_uld_weight": uld_weight}
+    loss_spec = [LOSS[0], {**LOSS[1], **options}]
     distiller = Distiller(student_dir, teacher_dir, loss=loss_spec, training=TRAINING, vocab_map=vocab_map,
                           student_ds_config=STUDENT_CFG, teacher_ds_config=TEACHER_CFG)
     history = distiller.train(mine)
