@@ -24,7 +24,7 @@ import datasets
 import numpy as np
 
 from distill_kit.data.alignment import Encoding, align, encode_documents, shared_boundaries
-from distill_kit.data.blocks import IGNORE_INDEX, MAP_BATCH_SIZE
+from distill_kit.data.blocks import IGNORE_INDEX, MAP_BATCH_SIZE, DataError
 
 STUDENT_COLUMNS = ("input_ids", "attention_mask", "labels", "token_bytes")
 TEACHER_COLUMNS = tuple(f"teacher_{name}" for name in STUDENT_COLUMNS)
@@ -79,11 +79,13 @@ def tokenize_to_paired_blocks(
     text_field: str = "text",
     num_proc: int | None = None,
     desc: str = "tokenising",
+    source: str | None = None,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """Like :func:`~distill_kit.data.blocks.tokenize_to_blocks`, with the teacher's tokens and the alignment.
 
     ``tokenizer`` is the student's. ``teacher_block_size`` (default ``block_size``) bounds the teacher's tokens
-    per block; give the teacher more room when its tokenizer is the finer one, or blocks get short.
+    per block; give the teacher more room when its tokenizer is the finer one, or blocks get short. ``source`` (the
+    files) names them in errors.
     """
     teacher_block_size = teacher_block_size or block_size
     pads = [tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -93,6 +95,10 @@ def tokenize_to_paired_blocks(
         raise KeyError(f"data.text_field {text_field!r} is not a column of the dataset; its columns are {columns}")
 
     def to_blocks(rows: Mapping[str, list[Any]]) -> dict[str, list[list[int]]]:
+        bad = next((v for v in rows[text_field] if not isinstance(v, str)), "")
+        if not isinstance(bad, str):
+            raise DataError(f"{source or 'the data'}: a record has {text_field}={bad!r}, not a string; every "
+                            f"record's {text_field!r} must be text")
         groups = [rows[text_field]] if packing else [[text] for text in rows[text_field]]
         out: dict[str, list[list[int]]] = {name: [] for name in PAIRED_COLUMNS}
         for texts in groups:

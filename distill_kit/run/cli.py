@@ -5,20 +5,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit.data import blocks
+from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import distributed
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config, student_tokenizer
+from distill_kit.run import report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.training import checkpoint, preemption
@@ -35,11 +39,6 @@ def _on_main_first(work):
     return result if distributed.is_main() else work()
 
 
-def _looks_local(path: str) -> bool:
-    """Hub names are ``org/name``; anything else with a path separator or dot-prefix is a local path."""
-    return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
-
-
 def prepare_data(config: RunConfig) -> blocks.DataConfig:
     """Resolve ``data.train: stdlib`` to this Python's standard library, written once into the cache."""
     if config.data.train != STDLIB_CORPUS:
@@ -51,8 +50,9 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
 def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
     """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
     teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
-    with ``init`` overrides (and the students' vocabulary) and saved, so that it loads like any pretrained
-    model: under its own ZeRO layout, and identically for every run that shares the seed."""
+    with ``init`` overrides (checked by ``validate``; and the students' vocabulary) and saved, so that it loads
+    like any pretrained model: under its own ZeRO layout, and identically for every run that shares the seed. It
+    is written once (into a temporary folder, then renamed): a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
@@ -62,20 +62,19 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
             except ValueError as err:
                 raise ConfigError(f"students[{student.name}].model: {err}") from None
         return StudentSpec(model=student.model, **spec)
-    model_config = AutoConfig.from_pretrained(config.teacher)
-    unknown = [key for key in student.init if not hasattr(model_config, key)]
-    if unknown:
-        raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
-                          f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
     path = Path(config.output_dir) / "init" / student.name
-    if distributed.is_main():
+    if distributed.is_main() and not (path / "config.json").is_file():
+        model_config = AutoConfig.from_pretrained(config.teacher)
         if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
             model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                                  "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
                                  "pad_token_id": tokenizer.pad_token_id})
-        model_config.update(dict(student.init))
+        model_config.update(validate.student_init(student, model_config))
         torch.manual_seed(config.training.seed)
-        AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
+        partial = path.with_name(checkpoint.PARTIAL + path.name)
+        shutil.rmtree(partial, ignore_errors=True)
+        AutoModelForCausalLM.from_config(model_config).save_pretrained(partial)
+        partial.replace(path)
     distributed.barrier()
     return StudentSpec(model=str(path), **spec)
 
@@ -109,6 +108,35 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
+def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  tokenize=None):
+    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
+    ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks)."""
+    rank, world = distributed.rank(), distributed.world_size()
+    mbs, seed = config.training.micro_batch_size, config.training.seed
+    if chat.detect_format(data_config) == "chat":
+        if tokenize is not None:
+            raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
+                              "template per tokenizer, aligned answers) is not supported yet")
+        splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
+        if distributed.is_main():
+            for name, stats in splits.stats.items():
+                logger.info(stats.describe(name, data_config.block_size))
+        chat.require_answers(splits, "the students' losses")
+        pad = chat.pad_id_of(tokenizer)
+        return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
+                chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
+                                drop_last=False))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, tokenize))
+    heldout = splits.heldout
+    if data_config.streaming:  # train from the stream; its held-out split (max_heldout_blocks) is read into memory
+        train = blocks.StreamingBlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
+        heldout = datasets.Dataset.from_list(list(heldout))
+    else:
+        train = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
+    return train, blocks.BlockLoader(heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
+
+
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
     """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
@@ -136,45 +164,51 @@ def train_students(config: RunConfig, students: MultiStudentDistiller, train_loa
     return True
 
 
+@contextmanager
+def _input_errors(what: str) -> Iterator[None]:
+    """Errors from reading the user's input (data, DeepSpeed configs) as ConfigErrors: a message, no traceback."""
+    try:
+        yield
+    except (blocks.DataError, DeepSpeedConfigError, FileNotFoundError, KeyError) as err:
+        raise ConfigError(f"{what}: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from err
+
+
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
-    """The whole job; returns the report's summary on every rank (None when a signal stopped it)."""
+    """The whole job; returns the report's summary on every rank (None when a signal stopped it).
+
+    Every check that needs no work comes first (``validate.py``); the output folder is claimed (its
+    ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing
+    that stops the same command, fixed, from running.
+    """
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
     out = Path(config.output_dir)
-    for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
-        if path is not None and _looks_local(path) and not Path(path).is_dir():
-            raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
-    problem = None
-    if distributed.is_main():  # rank 0 reads and writes the folder; every rank stops on what it found
-        try:
-            checkpoint.check_output_dir(out, run_identity(config), resume=resume)
-        except ValueError as err:
-            problem = str(err)
-    problem = distributed.broadcast_object(problem)
-    if problem is not None:
-        raise ConfigError(problem)
-    data_config = prepare_data(config)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-    own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
-    if own is not None:
-        tokenizer = own.tokenizer
+    validate.validate(config, resume, run_identity(config))
+    with _input_errors("data"):
+        data_config = prepare_data(config)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+        own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
+        if own is not None:
+            tokenizer = own.tokenizer
+        train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
+    if distributed.is_main():  # rank 0 claims the folder; validate found it fit
+        checkpoint.check_output_dir(out, run_identity(config), resume=resume)
+        checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
+        if own is not None:
+            own.save(out)
+    distributed.barrier()
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, own and own.tokenize))
-    rank, world = distributed.rank(), distributed.world_size()
-    mbs = config.training.micro_batch_size
-    train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
-    eval_loader = blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
-    students = MultiStudentDistiller(
-        config.teacher, specs, training=config.training,
-        teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
-        student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
-        vocab_map=own and own.vocab_map,
-    )
-    resumed = students.resume() if resume else None
-    log = RunLog(out, resumed_at=students.step if resumed else None)
-    if resume and resumed is None and distributed.is_main():
-        logger.warning("--resume: no complete checkpoint in %s yet; starting from step 0", out / "checkpoints")
+    with _input_errors("DeepSpeed config"):
+        students = MultiStudentDistiller(
+            config.teacher, specs, training=config.training,
+            teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
+            student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+            vocab_map=own and own.vocab_map,
+        )
+    if resume and students.resume() is None:  # validate found one; it went away since
+        raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
+    log = RunLog(out, resumed_at=students.step if resume else None)
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:
@@ -188,8 +222,12 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         losses = {s.name: s.loss for s in config.students}
         histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
                      for s in config.students}
-        extra = {"seconds": time.time() - started, "world_size": world,
-                 "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
+        tokens = (config.training.micro_batch_size * config.training.gradient_accumulation_steps
+                  * distributed.world_size() * data_config.block_size)
+        extra = {"seconds": time.time() - started, "world_size": distributed.world_size(), "tokens_per_step": tokens,
+                 # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
+                 "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
+                                       "teacher": students.teacher_ds_config}}
         summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
@@ -229,4 +267,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"config error: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"], indent=2))
+    distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)
     return 0
