@@ -55,9 +55,14 @@ class Distiller(Trainer):
         student_ds_overrides: Mapping[str, Any] | None = None,
         teacher_ds_overrides: Mapping[str, Any] | None = None,
         shared_teacher: nn.Module | None = None,
+        vocab_map: Any = None,
     ):
         """``shared_teacher`` is a teacher engine already built from ``teacher`` and ``teacher_ds_config``
-        (several students share one, see ``multi_student.py``): nothing is loaded for it again."""
+        (several students share one, see ``multi_student.py``): nothing is loaded for it again.
+
+        ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the two tokenizers differ: the
+        batches are paired blocks (``distill_kit/data/paired_blocks.py``) and the loss ``cross_tokenizer``
+        gets the map; the vocabularies are then not required to line up."""
         super().__init__(training)
         student_facts, teacher_facts = models.facts(student), models.facts(teacher)
         self.student_ds_config, self.teacher_ds_config = deepspeed_config.prepare_pair(
@@ -72,7 +77,7 @@ class Distiller(Trainer):
         )
         self.loss: DistillationLoss = build_loss(
             loss, **{f"student_{k}": v for k, v in student_facts.items()},
-            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()}, vocab_map=vocab_map,
         )
         kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
         kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
@@ -84,7 +89,8 @@ class Distiller(Trainer):
         if shared_teacher is None:
             kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
         kernels.apply(student_model, self.training.student_kernels, "training.student_kernels")
-        check_vocabularies(student_model, teacher_model)
+        if vocab_map is None:
+            check_vocabularies(student_model, teacher_model)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
         self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
@@ -106,9 +112,16 @@ class Distiller(Trainer):
             "output_attentions": self.loss.needs_attentions,
         }
 
+    def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The teacher reads its own tokens when its tokenizer differs (paired blocks carry ``teacher_input_ids``)."""
+        inputs = self.model_inputs(batch)
+        if "teacher_input_ids" in batch:
+            inputs |= {"input_ids": batch["teacher_input_ids"], "attention_mask": batch["teacher_attention_mask"]}
+        return inputs
+
     def teacher_forward(self, batch: Batch) -> Any:
         with torch.no_grad():
-            return self.teacher(**self.model_inputs(batch))
+            return self.teacher(**self.teacher_inputs(batch))
 
     def student_forward(self, batch: Batch) -> Any:
         """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
@@ -165,5 +178,7 @@ def check_vocabularies(student: nn.Module, teacher: nn.Module) -> None:
     if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
         raise ValueError(
             f"the student's vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): they "
-            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size."
+            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to distil "
+            "across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map=VocabMap."
+            "build(student_tokenizer, teacher_tokenizer)) (a run config: students[].tokenizer)."
         )

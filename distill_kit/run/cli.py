@@ -22,7 +22,7 @@ from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import distributed
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config, validate
+from distill_kit.run import report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.training import checkpoint, preemption
@@ -48,19 +48,27 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
 
 
 def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
-    """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
-    fresh one built from the teacher's config with ``init`` overrides (checked by ``validate``) and saved, so
-    that it loads like any pretrained model: under its own ZeRO layout, and identically for every run that shares
-    the seed. It is written once (into a temporary folder, then renamed): a resume reuses it."""
+    """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
+    teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
+    with ``init`` overrides (checked by ``validate``; and the students' vocabulary) and saved, so that it loads
+    like any pretrained model: under its own ZeRO layout, and identically for every run that shares the seed. It
+    is written once (into a temporary folder, then renamed): a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
-            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            try:
+                check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            except ValueError as err:
+                raise ConfigError(f"students[{student.name}].model: {err}") from None
         return StudentSpec(model=student.model, **spec)
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():
         model_config = AutoConfig.from_pretrained(config.teacher)
+        if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
+            model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                                 "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
+                                 "pad_token_id": tokenizer.pad_token_id})
         model_config.update(validate.student_init(student, model_config))
         torch.manual_seed(config.training.seed)
         partial = path.with_name(checkpoint.PARTIAL + path.name)
@@ -100,11 +108,16 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
-def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase):
-    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``)."""
+def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  tokenize=None):
+    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
+    ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks)."""
     rank, world = distributed.rank(), distributed.world_size()
     mbs, seed = config.training.micro_batch_size, config.training.seed
     if chat.detect_format(data_config) == "chat":
+        if tokenize is not None:
+            raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
+                              "template per tokenizer, aligned answers) is not supported yet")
         splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
         if distributed.is_main():
             for name, stats in splits.stats.items():
@@ -114,7 +127,7 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                 drop_last=False))
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, tokenize))
     heldout = splits.heldout
     if data_config.streaming:  # train from the stream; its held-out split (max_heldout_blocks) is read into memory
         train = blocks.StreamingBlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
@@ -175,10 +188,15 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     with _input_errors("data"):
         data_config = prepare_data(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-        train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
+        own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
+        if own is not None:
+            tokenizer = own.tokenizer
+        train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
     if distributed.is_main():  # rank 0 claims the folder; validate found it fit
         checkpoint.check_output_dir(out, run_identity(config), resume=resume)
         checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
+        if own is not None:
+            own.save(out)
     distributed.barrier()
     specs = [prepare_student(s, config, tokenizer) for s in config.students]
     with _input_errors("DeepSpeed config"):
@@ -186,6 +204,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
             config.teacher, specs, training=config.training,
             teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
             student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+            vocab_map=own and own.vocab_map,
         )
     if resume and students.resume() is None:  # validate found one; it went away since
         raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))

@@ -83,6 +83,13 @@ class RunConfig:
     """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
+    student_tokenizer: str | None = None
+    """The students' own tokenizer when it differs from the teacher's: a directory, a hub name, or 'bpe:<size>' (a
+    byte-level BPE of that many tokens trained on data.train, cached in cache_dir). The run then distils across
+    tokenizers: paired blocks, loss cross_tokenizer, bits per byte in the report (docs/losses.md#cross-tokenizer)."""
+    teacher_block_size: int | None = None
+    """With student_tokenizer: the most teacher tokens a block may hold (None: data.block_size). Raise it when the
+    teacher's tokenizer is the finer one, or blocks are cut short to fit the teacher."""
     students: tuple[StudentConfig, ...] = (
         StudentConfig(name="distilled", init=DEFAULT_STUDENT_INIT, loss="forward_kl"),
         StudentConfig(name="no_teacher", init=DEFAULT_STUDENT_INIT, loss="cross_entropy"),

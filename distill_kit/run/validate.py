@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.run import student_tokenizer
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.training import checkpoint
 
@@ -250,7 +251,7 @@ def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None
 
 Check = Callable[[Start], list[str]]
 CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_data, check_deepspeed_configs,
-                       check_checkpoint_disk]
+                       check_checkpoint_disk, lambda start: student_tokenizer.config_problems(start.config)]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
