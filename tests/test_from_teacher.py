@@ -5,6 +5,9 @@ same student as a plain one."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,9 @@ from launch import ROOT, run_ranks
 from tiny_models import llama_config, qwen2_config, random_batches
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
+from distill_kit.data.tokenizer import train_tokenizer
+from distill_kit.run import cli, run_config
+from distill_kit.run.run_config import ConfigError
 from distill_kit.students.from_teacher import (
     FromTeacherConfig,
     UnsupportedTeacherError,
@@ -205,3 +211,84 @@ def test_a_zero3_teacher_on_two_ranks_gives_the_same_student(tmp_path):
 
 
 WORKER_CHOICE = {"layers": (0, 3), "hidden_size": 24, "intermediate_size": 20, "num_attention_heads": 2}
+
+
+# ---- through scripts/distill.py ---------------------------------------------------------------------------------
+
+SCRIPT = ROOT / "scripts/distill.py"
+CUT = "{every: 2, hidden_size: 24, intermediate_size: 20, num_attention_heads: 2}"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny Llama teacher with its own tokenizer, and train/held-out text files."""
+    root = tmp_path_factory.mktemp("tiny_llama")
+    texts = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    (root / "train.txt").write_text("\n".join(texts[1:]))
+    (root / "heldout.txt").write_text(texts[0])
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    make_teacher("llama", vocab_size=len(tokenizer)).save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    return root
+
+
+def _args(root: Path, out: Path, students: str) -> list[str]:
+    return [f"teacher={root / 'teacher'}", f"output_dir={out}", f"cache_dir={out / 'cache'}",
+            f"data.train={root / 'train.txt'}", f"data.heldout={root / 'heldout.txt'}", "data.block_size=32",
+            "data.max_train_blocks=32", "data.max_heldout_blocks=8", "training.max_steps=2",
+            "training.micro_batch_size=2", "--students", students]
+
+
+@pytest.mark.parametrize(("students", "message"), [
+    ("[{name: a, init: {hidden_size: 8}, init_from_teacher: {every: 2}}]",
+     "students[0]: init_from_teacher builds the student itself; drop model and init"),
+    ("[{name: a, init_from_teacher: {every: 2, last: 1}}]", "give at most one of layers, every, first, last"),
+    ("[{name: a, init_from_teacher: {layers: [0, 9]}}]",
+     "students[a].init_from_teacher: layers [9] do not exist: the teacher has layers 0..3"),
+    ("[{name: a, init_from_teacher: {hidden_size: 64}}]",
+     "students[a].init_from_teacher: hidden_size: the student keeps at most the teacher's 32, not 64"),
+])
+def test_bad_choices_in_a_run_config_are_config_errors(tiny_llama, tmp_path, students, message):
+    with pytest.raises(ConfigError) as caught:
+        cli.check_cuts(run_config.load(None, _args(tiny_llama, tmp_path, students)))
+    assert message in str(caught.value)
+
+
+def test_an_unsupported_teacher_is_a_config_error(tmp_path):
+    GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4)).save_pretrained(tmp_path / "gpt2")
+    config = run_config.load(None, [f"teacher={tmp_path / 'gpt2'}", "--students", "[{name: a, init_from_teacher: {}}]"])
+    with pytest.raises(ConfigError, match=r"students\[a\].init_from_teacher: init_from_teacher supports teachers "
+                                          r"of model_type \['llama', 'qwen2'\].*'gpt2'"):
+        cli.check_cuts(config)
+
+
+def test_the_cli_stops_on_a_bad_choice_before_any_work(tiny_llama, tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_llama, tmp_path / "run",
+                                                                 "[{name: a, init_from_teacher: {layers: [0, 9]}}]")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "config error: students[a].init_from_teacher: layers [9] do not exist" in done.stderr
+    assert not (tmp_path / "run" / "cache").exists()  # no corpus, tokenisation or model was prepared
+
+
+def test_cli_trains_students_cut_from_the_teacher(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    students = (f"[{{name: cut_kd, init_from_teacher: {CUT}, loss: forward_kl}}, "
+                "{name: layers_ce, init_from_teacher: {layers: [3, 0]}, loss: cross_entropy}, "
+                "{name: random_ce, init: {num_hidden_layers: 1}, loss: cross_entropy}]")
+    run_ranks(SCRIPT, _args(tiny_llama, out, students), nprocs=0)
+    teacher = LlamaForCausalLM.from_pretrained(tiny_llama / "teacher")
+    layers = LlamaForCausalLM.from_pretrained(out / "init/layers_ce")  # depth only: the teacher's layers 3 and 0
+    for k, i in enumerate([3, 0]):
+        for (name, got), want in zip(layers.model.layers[k].named_parameters(), teacher.model.layers[i].parameters(),
+                                     strict=True):
+            assert torch.equal(got, want), name
+    cut = json.loads((out / "init/cut_kd/config.json").read_text())
+    assert (cut["num_hidden_layers"], cut["hidden_size"], cut["intermediate_size"], cut["num_attention_heads"]) == \
+        (2, 24, 20, 2)
+    summary = json.loads((out / "report.json").read_text())["summary"]["students"]
+    assert {name: row["init"] for name, row in summary.items()} == {
+        "cut_kd": "teacher", "layers_ce": "teacher", "random_ce": "random"}
+    assert "gap_closed" in summary["cut_kd"] and "gap_closed" in summary["layers_ce"]
+    assert "gap_closed" not in summary["random_ce"]  # the baseline: random weights, no teacher
+    assert AutoModelForCausalLM.from_pretrained(out / "students/cut_kd").config.hidden_size == 24

@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit.data import blocks
 from distill_kit.data.corpus import write_corpus
-from distill_kit.engines import distributed
+from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.models import check_tokenizers
 from distill_kit.run import report, run_config
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint, preemption
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.student_spec import StudentSpec
@@ -48,10 +50,46 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
     return dataclasses.replace(config.data, train=str(splits.train), heldout=str(splits.heldout))
 
 
-def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
+def check_cuts(config: RunConfig) -> None:
+    """Every ``init_from_teacher`` checked against the teacher's config (architecture, layers, sizes)."""
+    for student in config.students:
+        if student.init_from_teacher is not None:
+            try:
+                from_teacher.check(student.init_from_teacher, AutoConfig.from_pretrained(config.teacher))
+            except ValueError as err:
+                raise ConfigError(f"students[{student.name}].init_from_teacher: {err}") from None
+
+
+def cut_students(config: RunConfig, train_blocks) -> dict[str, nn.Module]:
+    """The students built from the teacher's own weights (``init_from_teacher``), by name, on every rank.
+
+    ``run`` checks every choice first (``check_cuts``), before any work. The teacher then loads once
+    as the run loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is
+    dropped before the engines are built; every rank measures importance on the same first training blocks.
+    """
+    wanted = {s.name: s.init_from_teacher for s in config.students if s.init_from_teacher is not None}
+    if not wanted:
+        return {}
+    ds_config, problems = deepspeed_config.resolve(
+        deepspeed_config.load(config.teacher_ds_config), config.training, name="teacher DeepSpeed config",
+        hidden_size=models.hidden_size(config.teacher), world_size=distributed.world_size(),
+        overrides=config.teacher_ds_overrides)
+    if problems:
+        raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+    ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
+    teacher = models.load(config.teacher, ds_config, config.training.dtype)
+    calibration = blocks.BlockLoader(train_blocks, config.training.micro_batch_size, rank=0, world_size=1,
+                                     shuffle=False, drop_last=False)
+    device = distributed.init()
+    return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
+
+
+def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                    cut: nn.Module | None = None) -> StudentSpec:
     """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
-    fresh one built from the teacher's config with ``init`` overrides and saved, so that it loads like any
-    pretrained model: under its own ZeRO layout, and identically for every run that shares the seed."""
+    fresh one built from the teacher's config with ``init`` overrides, or ``cut`` (built from the teacher's
+    weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and identically
+    for every run that shares the seed."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
@@ -64,7 +102,9 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
         raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
                           f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
     path = Path(config.output_dir) / "init" / student.name
-    if distributed.is_main():
+    if distributed.is_main() and cut is not None:
+        cut.save_pretrained(path)
+    elif distributed.is_main():
         model_config.update(dict(student.init))
         torch.manual_seed(config.training.seed)
         AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
@@ -146,10 +186,12 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     problem = distributed.broadcast_object(problem)
     if problem is not None:
         raise ConfigError(problem)
+    check_cuts(config)
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-    specs = [prepare_student(s, config, tokenizer) for s in config.students]
     splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    cut = cut_students(config, splits.train)
+    specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
     rank, world = distributed.rank(), distributed.world_size()
     mbs = config.training.micro_batch_size
     train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
@@ -178,7 +220,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                      for s in config.students}
         extra = {"seconds": time.time() - started, "world_size": world,
                  "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
-        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
+        inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
+                 for s in config.students}
+        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra, inits)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)

@@ -164,6 +164,13 @@ def student_shape(config: FromTeacherConfig, teacher: Shape) -> Shape:
     return student
 
 
+def check(config: FromTeacherConfig, teacher_config: PretrainedConfig) -> None:
+    """Every problem that needs no weights (architecture, layers, sizes), found before the teacher loads."""
+    check_supported(teacher_config)
+    kept_layers(config, _text_config(teacher_config).num_hidden_layers)
+    student_shape(config, teacher_shape(teacher_config))
+
+
 def _top(importance: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries, in their original order (ties to the lower index)."""
     order = sorted(range(importance.numel()), key=lambda i: (-float(importance[i]), i))
