@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 import torch
@@ -53,17 +53,28 @@ class DataConfig:
     text_field: str = "text"
     """The column holding the text (``text`` for .txt files)."""
     block_size: int = 256
+    """Tokens per block; for chat data the longest conversation kept (longer ones are cut, docs/chat.md)."""
     packing: bool = True
-    """True: documents joined with EOS and cut into full blocks. False: one document per block, padded."""
+    """True: documents joined with EOS and cut into full blocks. False: one document per block, padded.
+    Chat data is never packed."""
     max_train_blocks: int | None = None
-    """Keep only the first N training blocks (a data-scarce slice; the order is the corpus's)."""
+    """Keep only the first N training blocks (chat: conversations; a data-scarce slice in the data's order)."""
     max_heldout_blocks: int | None = None
-    """Keep only the first N held-out blocks (bounds evaluation time)."""
+    """Keep only the first N held-out blocks (chat: conversations; bounds evaluation time)."""
     streaming: bool = False
     """Read and tokenise lazily instead of writing the Arrow cache; see :class:`StreamingBlockLoader`."""
     seed: int = 0
     num_proc: int | None = None
     """Processes for tokenisation; None tokenises in this process."""
+    format: Literal["auto", "text", "chat"] = "auto"
+    """text: raw documents (this module). chat: conversations with 'messages' or 'prompt'/'completion' fields,
+    rendered with a chat template, only assistant tokens counting (docs/chat.md). auto: chat exactly when the
+    first training record has a 'messages' or 'prompt' field."""
+    chat_template: str | None = None
+    """Chat data: a shipped template (chatml, llama3) or a .jinja file, used instead of the tokenizer's own
+    template (the teacher's, which both models share); None uses the tokenizer's."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Chat data: which assistant messages of a conversation count in the loss; the others are context."""
 
     def __post_init__(self) -> None:
         if self.block_size < 2:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit.data import blocks
+from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.models import check_tokenizers
@@ -60,12 +60,19 @@ def check_cuts(config: RunConfig) -> None:
                 raise ConfigError(f"students[{student.name}].init_from_teacher: {err}") from None
 
 
-def cut_students(config: RunConfig, train_blocks) -> dict[str, nn.Module]:
+def calibration_loader(train_loader):
+    """The training data as one unshuffled rank reads it: the same first micro-batches on every rank."""
+    extra = {"pad_id": train_loader.pad_id} if hasattr(train_loader, "pad_id") else {}  # chat data
+    return type(train_loader)(train_loader.dataset, train_loader.micro_batch_size, rank=0, world_size=1,
+                              shuffle=False, drop_last=False, **extra)
+
+
+def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
     """The students built from the teacher's own weights (``init_from_teacher``), by name, on every rank.
 
     ``run`` checks every choice first (``check_cuts``), before any work. The teacher then loads once
     as the run loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is
-    dropped before the engines are built; every rank measures importance on the same first training blocks.
+    dropped before the engines are built; every rank measures importance on the same first training micro-batches.
     """
     wanted = {s.name: s.init_from_teacher for s in config.students if s.init_from_teacher is not None}
     if not wanted:
@@ -78,8 +85,7 @@ def cut_students(config: RunConfig, train_blocks) -> dict[str, nn.Module]:
         raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
     ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
     teacher = models.load(config.teacher, ds_config, config.training.dtype)
-    calibration = blocks.BlockLoader(train_blocks, config.training.micro_batch_size, rank=0, world_size=1,
-                                     shuffle=False, drop_last=False)
+    calibration = calibration_loader(train_loader)
     device = distributed.init()
     return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
 
@@ -141,6 +147,25 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
+def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase):
+    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``)."""
+    rank, world = distributed.rank(), distributed.world_size()
+    mbs, seed = config.training.micro_batch_size, config.training.seed
+    if chat.detect_format(data_config) == "chat":
+        splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
+        if distributed.is_main():
+            for name, stats in splits.stats.items():
+                logger.info(stats.describe(name, data_config.block_size))
+        chat.require_answers(splits, "the students' losses")
+        pad = chat.pad_id_of(tokenizer)
+        return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
+                chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
+                                drop_last=False))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    return (blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed),
+            blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False))
+
+
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
     """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
@@ -189,13 +214,10 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     check_cuts(config)
     data_config = prepare_data(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
-    cut = cut_students(config, splits.train)
+    train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
+    cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
-    rank, world = distributed.rank(), distributed.world_size()
-    mbs = config.training.micro_batch_size
-    train_loader = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=config.training.seed)
-    eval_loader = blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
+    world, mbs = distributed.world_size(), config.training.micro_batch_size
     students = MultiStudentDistiller(
         config.teacher, specs, training=config.training,
         teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,

@@ -1,0 +1,553 @@
+"""Chat and prompt/completion records -> token ids rendered by a chat template -> right-padded micro-batches.
+
+**The batch contract** (what the training loop, the losses, evaluation and on-policy sampling rely on). A chat
+micro-batch is a dict of three ``torch.long`` tensors of shape ``[B, L]``, ``L`` the longest row of *this*
+micro-batch (rows are never packed together):
+
+* ``input_ids``: the conversation rendered by the chat template, right-padded with the tokenizer's pad id
+  (its EOS id when it has no pad token);
+* ``attention_mask``: 1 on the conversation's tokens, 0 on padding;
+* ``labels``: equal to ``input_ids`` (not shifted; the loss shifts) where a token counts, -100 elsewhere: on
+  system/user/tool messages, on template tokens such as role headers, on padding, and on assistant turns that
+  ``data.assistant_turns: last`` leaves out.
+
+The *prompt* of a row is everything before its first counted label (:func:`prompt_lengths`). A row with no
+counted label is *prompt-only*: its whole conversation is the prompt and ends with the template's generation
+prompt (the assistant header), ready for a model to answer.
+
+Records (one per JSON object of a ``.jsonl``/``.json``/``.parquet`` file):
+
+* ``{"messages": [{"role": ..., "content": ...}, ...]}``; roles are those of :data:`ROLES`;
+* ``{"prompt": ..., "completion": ...}``: a string prompt is one user message and a string completion one
+  assistant message; either may also be a list of messages; a missing or null completion makes a prompt.
+
+A record whose last message is not the assistant's is a prompt: it is rendered with the generation prompt and
+nothing in it counts. Otherwise every assistant message counts (``data.assistant_turns: all``) or only the last.
+
+**What counts of an assistant message** is what the template writes for it after the assistant header: its
+content *and* the end-of-turn token(s) after it (``<|im_end|>\\n`` in ChatML, ``<|eot_id|>`` in Llama 3): the
+model must learn to stop. The header itself is the generation prompt and never counts. Two ways find these
+tokens, both the template's own rendering through ``tokenizer.apply_chat_template``:
+
+* a template with ``{% generation %}`` markers: ``return_assistant_tokens_mask`` marks every token that overlaps
+  a marked span (the shipped templates in ``templates/`` have them);
+* any other template: the conversation is rendered up to each assistant message with the generation prompt, and
+  up to the end of that message; the tokens between the two are the message's. This needs a template whose
+  renderings of a prefix are a prefix of the whole conversation's tokens; one that is not is an error naming the
+  record (use a template with markers, e.g. ``data.chat_template: chatml``).
+
+Where both ways work, the first records are rendered both ways and a disagreement is logged.
+
+**Length.** A conversation longer than ``data.block_size`` tokens keeps its first ``block_size`` tokens (the end
+of its last answer is cut); if no counted token is left, or if it is a prompt (a prompt must stay whole for
+sampling), it is dropped. Both counts are reported (:class:`ChatStats`).
+
+**Batches.** :class:`ChatLoader` groups rows of similar length into the same global batch (less padding),
+shuffles the batches, and gives every rank the same number of micro-batches; its order depends only on the seed
+and the epoch, and its position is checkpointed like :class:`~distill_kit.data.blocks.BlockLoader`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from distill_kit.data.blocks import IGNORE_INDEX, DataConfig, LoaderPosition, _as_list, _check_rank, load_text
+from distill_kit.run.run_config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ASSISTANT = "assistant"
+CHAT_FIELDS = ("messages", "prompt")
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Records rendered both ways (markers and prefix diff) to check that they agree: enough to catch a template
+# whose markers sit elsewhere than the conversation's own structure says, cheap for any dataset.
+CHECKED_RECORDS = 8
+# Global batches per length group: rows are sorted by length inside groups of this many global batches, so
+# batches hold similar lengths while the shuffled order still mixes the whole dataset (as the Hugging Face
+# Trainer's length-grouped sampler does with its "megabatches" of 50).
+GROUP_BATCHES = 50
+# Records tokenised before they are moved into Arrow memory: bounds the Python lists held at once.
+CHUNK_RECORDS = 10_000
+FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    "labels": datasets.Sequence(datasets.Value("int32")),
+    "length": datasets.Value("int32"),
+    "counted": datasets.Value("int32"),
+    "record": datasets.Value("string"),
+})
+
+Batch = dict[str, torch.Tensor]
+Message = dict[str, str]
+
+
+# ---- reading records -------------------------------------------------------------------------------------
+
+
+def _where(path: str, index: int) -> str:
+    return f"{path}: record {index}"
+
+
+def read_records(files: str | Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` for each record of local JSON/JSONL/Parquet files (or a hub dataset's train split).
+
+    ``where`` names the file and the 0-based record index, for errors. Invalid JSON is a :class:`ConfigError`
+    naming the file and line.
+    """
+    for path in _as_list(files):
+        suffix = Path(path).suffix.lower()
+        if suffix in (".json", ".jsonl") and Path(path).is_file():
+            yield from _read_json(path)
+        elif suffix == ".parquet" and Path(path).is_file():
+            import pyarrow.parquet as pq
+
+            index = 0
+            for batch in pq.ParquetFile(path).iter_batches():
+                for record in batch.to_pylist():
+                    yield _where(path, index), record
+                    index += 1
+        elif suffix in (".txt", ".text"):
+            raise ConfigError(f"{path}: a plain-text file cannot hold chat records; write JSON Lines records with "
+                              "'messages' or 'prompt'/'completion' (docs/chat.md), or set data.format: text")
+        else:
+            try:
+                rows = load_text(path)
+            except (FileNotFoundError, ValueError) as err:
+                raise ConfigError(f"data: {err}") from err
+            for index, record in enumerate(rows):
+                yield _where(path, index), record
+
+
+def _read_json(path: str) -> Iterator[tuple[str, Any]]:
+    text = Path(path).read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        for index, record in enumerate(records):
+            yield _where(path, index), record
+        return
+    index = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: record {index} (line {number}) is not valid JSON ({err})") from None
+        yield f"{_where(path, index)} (line {number})", record
+        index += 1
+
+
+def detect_format(config: DataConfig) -> str:
+    """``text`` or ``chat``: ``data.format`` unless it is ``auto``; then ``chat`` exactly when the first training
+    record is a mapping with a ``messages`` or ``prompt`` field."""
+    if config.format != "auto":
+        return config.format
+    first_file = _as_list(config.train)[0] if _as_list(config.train) else ""
+    if Path(first_file).suffix.lower() in (".txt", ".text"):
+        return "text"
+    try:
+        first = next(read_records(first_file), None)
+    except ConfigError:
+        return "text"  # not records at all: the text path reports what is wrong with the file
+    record = first[1] if first is not None else None
+    return "chat" if isinstance(record, Mapping) and any(key in record for key in CHAT_FIELDS) else "text"
+
+
+def _messages(value: Any, where: str, name: str) -> list[Message]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: '{name}' must be a non-empty list of {{role, content}} messages, "
+                          f"got {value!r:.80}")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ConfigError(f"{where}: {name}[{i}] must be a mapping with 'role' and 'content', got {message!r:.80}")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ConfigError(f"{where}: {name}[{i}] has unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ConfigError(f"{where}: {name}[{i}] content must be a string, got {type(content).__name__}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def record_messages(record: Any, where: str) -> list[Message]:
+    """The conversation of one record (see the module docstring), or a :class:`ConfigError` naming ``where``."""
+    if not isinstance(record, Mapping):
+        raise ConfigError(f"{where}: a chat record must be a JSON object, got {type(record).__name__}")
+    if record.get("messages") is not None:
+        messages = _messages(record["messages"], where, "messages")
+    elif record.get("prompt") is not None:
+        prompt, completion = record["prompt"], record.get("completion")
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = _messages(prompt, where, "prompt")
+        if isinstance(completion, str):
+            messages.append({"role": ASSISTANT, "content": completion})
+        elif completion is not None:
+            answer = _messages(completion, where, "completion")
+            if any(m["role"] != ASSISTANT for m in answer):
+                raise ConfigError(f"{where}: every message of 'completion' must have role 'assistant'")
+            messages += answer
+    else:
+        raise ConfigError(f"{where}: a chat record needs 'messages' or 'prompt' (with an optional 'completion'); "
+                          f"it has {sorted(record)}")
+    if messages[0]["role"] == ASSISTANT:
+        raise ConfigError(f"{where}: the conversation starts with an assistant message, so it has no prompt; "
+                          "begin it with a system or user message")
+    return messages
+
+
+# ---- templates and masks ---------------------------------------------------------------------------------
+
+
+def shipped_templates() -> list[str]:
+    return sorted(path.stem for path in TEMPLATES_DIR.glob("*.jinja"))
+
+
+def resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
+    """The Jinja text to render with: ``data.chat_template`` (a shipped name or a file), else the tokenizer's."""
+    if chat_template is None:
+        own = tokenizer.chat_template
+        if isinstance(own, Mapping):  # several named templates: the default one renders conversations
+            own = own.get("default")
+        if not own:
+            raise ConfigError(
+                f"the tokenizer ({tokenizer.name_or_path or type(tokenizer).__name__}) has no chat template: set "
+                f"data.chat_template to one of the shipped templates ({', '.join(shipped_templates())}) "
+                "or a .jinja file")
+        return own
+    if chat_template in shipped_templates():
+        return (TEMPLATES_DIR / f"{chat_template}.jinja").read_text(encoding="utf-8")
+    path = Path(chat_template)
+    if not path.is_file():
+        raise ConfigError(f"data.chat_template: {chat_template!r} is neither a shipped template "
+                          f"({', '.join(shipped_templates())}) nor an existing .jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+@dataclass
+class ChatEncoder:
+    """Renders conversations with one template and labels what counts (see the module docstring)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    template: str
+    assistant_turns: str = "all"
+
+    @property
+    def has_markers(self) -> bool:
+        return GENERATION_MARKER.search(self.template) is not None
+
+    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=True,
+            return_dict=True)["input_ids"])
+
+    def marked_spans(self, messages: list[Message]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each assistant message's ``[start, end)`` from the template's generation markers."""
+        out = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
+                                                 return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        spans, start = [], None
+        for i, flag in enumerate([*mask, 0]):
+            if flag and start is None:
+                start = i
+            elif not flag and start is not None:
+                spans.append((start, i))
+                start = None
+        return ids, spans
+
+    def prefix_spans(self, messages: list[Message], where: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and each assistant message's ``[start, end)`` by rendering the conversation's prefixes."""
+        ids = self.render(messages, generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != ASSISTANT:
+                continue
+            before = self.render(messages[:i], generation_prompt=True)
+            through = self.render(messages[: i + 1], generation_prompt=False)
+            if through != ids[: len(through)] or before != through[: len(before)]:
+                raise ConfigError(
+                    f"{where}: the chat template does not render message {i} as a continuation of the messages "
+                    "before it, so its tokens cannot be found by rendering prefixes; use a template with "
+                    "{% generation %} markers (data.chat_template: " + " or ".join(shipped_templates()) + ")")
+            spans.append((len(before), len(through)))
+        return ids, spans
+
+    def encode(self, messages: list[Message], where: str, check: bool = False) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` of one conversation; ``check`` also compares markers with prefix rendering."""
+        if messages[-1]["role"] != ASSISTANT:  # a prompt: ends with the generation prompt, counts nothing
+            ids = self.render(messages, generation_prompt=True)
+            return ids, [IGNORE_INDEX] * len(ids)
+        if self.has_markers:
+            ids, spans = self.marked_spans(messages)
+            if check:
+                self._compare(messages, where, ids, spans)
+        else:
+            ids, spans = self.prefix_spans(messages, where)
+        if not spans:
+            raise ConfigError(f"{where}: the chat template marks no assistant token in a conversation that ends with "
+                              "an assistant message; check its {% generation %} markers")
+        if self.assistant_turns == "last":
+            spans = spans[-1:]
+        labels = [IGNORE_INDEX] * len(ids)
+        for start, end in spans:
+            labels[start:end] = ids[start:end]
+        return ids, labels
+
+    def _compare(self, messages: list[Message], where: str, ids: list[int], spans: list[tuple[int, int]]) -> None:
+        try:
+            prefix_ids, prefix = self.prefix_spans(messages, where)
+        except ConfigError:
+            return  # prefixes do not tokenise as the whole does: only the markers can tell
+        if (prefix_ids, prefix) != (ids, spans):
+            logger.warning("%s: the template's {%% generation %%} markers count tokens %s but rendering prefixes "
+                           "gives %s; the markers are used", where, spans, prefix)
+
+
+# ---- tokenised splits ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatStats:
+    """What became of a split's records."""
+
+    records: int = 0
+    """Records read."""
+    prompts: int = 0
+    """Kept records with no counted token (prompts)."""
+    truncated: int = 0
+    """Kept records cut to ``data.block_size`` tokens."""
+    dropped: int = 0
+    """Records left out: a prompt longer than ``block_size``, or an answer starting beyond it."""
+    counted_tokens: int = 0
+    """Tokens that count in the loss (labels not -100), over the kept records."""
+    first_prompt: str | None = None
+    """Where the first prompt record is, for errors."""
+
+    def describe(self, name: str, block_size: int) -> str:
+        return (f"chat data {name}: {self.records} records, {self.prompts} prompts without an answer, "
+                f"{self.truncated} truncated to block_size {block_size}, {self.dropped} dropped (too long to keep "
+                f"a prompt or a counted token), {self.counted_tokens} counted tokens")
+
+
+@dataclass(frozen=True)
+class ChatSplits:
+    """Tokenised conversations (columns of :data:`FEATURES`) and what became of their records."""
+
+    train: datasets.Dataset
+    heldout: datasets.Dataset
+    stats: dict[str, ChatStats] = field(default_factory=dict)
+
+
+def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, block_size: int,
+                     stats: ChatStats) -> datasets.Dataset:
+    """Validate, render and truncate every record (every error is raised before any training)."""
+    chunks, rows = [], {name: [] for name in FEATURES}
+
+    def flush() -> None:
+        if rows["length"]:
+            chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
+            for values in rows.values():
+                values.clear()
+
+    for where, record in records:
+        messages = record_messages(record, where)
+        ids, labels = encoder.encode(messages, where, check=stats.records < CHECKED_RECORDS)
+        stats.records += 1
+        is_prompt = messages[-1]["role"] != ASSISTANT
+        if len(ids) > block_size:
+            if is_prompt or all(label == IGNORE_INDEX for label in labels[:block_size]):
+                stats.dropped += 1
+                continue
+            ids, labels = ids[:block_size], labels[:block_size]
+            stats.truncated += 1
+        counted = sum(label != IGNORE_INDEX for label in labels)
+        stats.counted_tokens += counted
+        if counted == 0:
+            stats.prompts += 1
+            stats.first_prompt = stats.first_prompt or where
+        for name, value in zip(FEATURES, (ids, labels, len(ids), counted, where), strict=True):
+            rows[name].append(value)
+        if len(rows["length"]) >= CHUNK_RECORDS:
+            flush()
+    flush()
+    if not chunks:
+        return datasets.Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES)
+    return datasets.concatenate_datasets(chunks)
+
+
+def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatSplits:
+    """Read, validate, render and hold out chat records as ``config`` says (``data.heldout`` or a fraction)."""
+    if config.streaming:
+        raise ConfigError("data.streaming is for text; chat records are tokenised up front (set it to false)")
+    encoder = ChatEncoder(tokenizer, resolve_template(tokenizer, config.chat_template), config.assistant_turns)
+    stats = {"train": ChatStats(), "heldout": ChatStats()}
+    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"])
+    if config.heldout is not None:
+        heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"])
+    else:
+        if len(train) < 2:
+            raise ConfigError(f"data.train holds {len(train)} usable chat record(s): too few to hold any out; "
+                              "add records or give data.heldout")
+        parts = train.train_test_split(test_size=config.heldout_fraction, seed=config.seed)
+        train, heldout = parts["train"], parts["test"]
+        stats["heldout"] = _stats_of(heldout)
+        stats["train"] = _stats_of(train, stats["train"])
+    limits = {"train": config.max_train_blocks, "heldout": config.max_heldout_blocks}
+    splits = {"train": train, "heldout": heldout}
+    for name, limit in limits.items():
+        if limit is not None and limit < len(splits[name]):
+            splits[name] = splits[name].select(range(limit))
+            stats[name] = _stats_of(splits[name], stats[name])
+    for name, split in splits.items():
+        if len(split) == 0:
+            raise ConfigError(f"data.{name}: no chat record is left (read {stats[name].records}, dropped "
+                              f"{stats[name].dropped} longer than data.block_size {config.block_size})")
+    return ChatSplits(train=splits["train"], heldout=splits["heldout"], stats=stats)
+
+
+def _stats_of(split: datasets.Dataset, read: ChatStats | None = None) -> ChatStats:
+    """Stats of the records a split kept (after holding out or slicing); read/truncated/dropped carry over."""
+    counted = split["counted"]
+    first = next((where for where, c in zip(split["record"], counted, strict=True) if c == 0), None)
+    read = read or ChatStats(records=len(split))
+    return ChatStats(records=read.records, prompts=sum(c == 0 for c in counted), truncated=read.truncated,
+                     dropped=read.dropped, counted_tokens=sum(counted), first_prompt=first)
+
+
+def require_answers(splits: ChatSplits, why: str) -> None:
+    """A :class:`ConfigError` naming a record when a split has no counted token (it holds only prompts).
+
+    ``why`` says what needs reference answers (e.g. the students' losses), for the message.
+    """
+    for name in ("train", "heldout"):
+        stats = splits.stats.get(name)
+        if stats is not None and stats.counted_tokens == 0:
+            raise ConfigError(
+                f"data.{name} holds only prompts (records without an assistant answer, e.g. {stats.first_prompt}), "
+                f"but {why} need reference answers: give records whose last message is the assistant's (or a "
+                "'completion')")
+
+
+# ---- batches ---------------------------------------------------------------------------------------------
+
+
+def pad_rows(input_ids: Sequence[Sequence[int]], labels: Sequence[Sequence[int]], pad_id: int) -> Batch:
+    """Right-pad rows of different lengths into the batch contract's three ``[B, L]`` tensors."""
+    length = max(len(row) for row in input_ids)
+    batch = {"input_ids": torch.full((len(input_ids), length), pad_id, dtype=torch.long),
+             "attention_mask": torch.zeros((len(input_ids), length), dtype=torch.long),
+             "labels": torch.full((len(input_ids), length), IGNORE_INDEX, dtype=torch.long)}
+    for i, (ids, row_labels) in enumerate(zip(input_ids, labels, strict=True)):
+        batch["input_ids"][i, : len(ids)] = torch.as_tensor(ids)
+        batch["attention_mask"][i, : len(ids)] = 1
+        batch["labels"][i, : len(ids)] = torch.as_tensor(row_labels)
+    return batch
+
+
+def prompt_lengths(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[B]``: tokens before each row's first counted label; a prompt-only row's whole (unpadded) length."""
+    counted = batch["labels"] != IGNORE_INDEX
+    first = counted.int().argmax(dim=1)
+    return torch.where(counted.any(dim=1), first, batch["attention_mask"].sum(dim=1))
+
+
+class ChatLoader:
+    """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
+
+    An epoch's order: the records in a random order (fixed by ``seed`` and the epoch; kept as is without
+    ``shuffle``), cut into groups of :data:`GROUP_BATCHES` global batches, each group sorted by length and cut
+    into global batches of ``world_size * micro_batch_size`` rows, then the whole global batches shuffled. Rank
+    ``r`` takes the ``r``-th slice of each global batch, as :class:`~distill_kit.data.blocks.BlockLoader` does.
+    With ``drop_last`` (training) a last partial global batch is left out of the epoch (other rows each epoch);
+    without it (evaluation) it is filled with one-token rows that count nothing, so every rank still runs it.
+    """
+
+    def __init__(self, dataset: datasets.Dataset, micro_batch_size: int, *, pad_id: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True) -> None:
+        _check_rank(rank, world_size, micro_batch_size)
+        global_batch = world_size * micro_batch_size
+        if len(dataset) == 0:
+            raise ValueError("the dataset has no conversations: check the data files")
+        if drop_last and len(dataset) < global_batch:
+            raise ConfigError(
+                f"the data has {len(dataset)} conversations but one global batch needs world_size ({world_size}) x "
+                f"micro_batch_size ({micro_batch_size}) = {global_batch}: use more data, a smaller micro-batch "
+                "or fewer ranks")
+        self.dataset = dataset.with_format(None)
+        self.lengths = list(self.dataset["length"])
+        self.micro_batch_size, self.pad_id = micro_batch_size, pad_id
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.position = LoaderPosition()
+        whole, rest = divmod(len(dataset), global_batch)
+        self.num_batches = whole + (1 if rest and not drop_last else 0)
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch, the same on every rank."""
+        return self.num_batches
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Row indices of ``epoch``, global batch after global batch (a partial one last)."""
+        size = self.world_size * self.micro_batch_size
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.lengths), generator=generator).tolist() if self.shuffle \
+            else list(range(len(self.lengths)))
+        batches = []
+        for start in range(0, len(order), size * GROUP_BATCHES):
+            group = sorted(order[start : start + size * GROUP_BATCHES], key=lambda i: -self.lengths[i])
+            batches += [group[i : i + size] for i in range(0, len(group), size)]
+        whole = [b for b in batches if len(b) == size]
+        if self.shuffle:
+            whole = [whole[i] for i in torch.randperm(len(whole), generator=generator).tolist()]
+        return [i for b in whole + [b for b in batches if len(b) < size] for i in b]
+
+    def batch(self, epoch: int, index: int, order: Sequence[int] | None = None) -> Batch:
+        """Micro-batch ``index`` of ``epoch`` for this rank."""
+        order = self.epoch_order(epoch) if order is None else order
+        start = (index * self.world_size + self.rank) * self.micro_batch_size
+        chosen = list(order[start : start + self.micro_batch_size])
+        rows = self.dataset[chosen] if chosen else {"input_ids": [], "labels": []}
+        short = self.micro_batch_size - len(chosen)
+        ids = list(rows["input_ids"]) + [[self.pad_id]] * short
+        labels = list(rows["labels"]) + [[IGNORE_INDEX]] * short
+        return pad_rows(ids, labels, self.pad_id)
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch from :attr:`position`; the position then moves to the next epoch."""
+        epoch = self.position.epoch
+        order = self.epoch_order(epoch)
+        for index in range(self.position.index, self.num_batches):
+            batch = self.batch(epoch, index, order)
+            self.position = LoaderPosition(epoch, index + 1)
+            yield batch
+        self.position = LoaderPosition(epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.position = LoaderPosition.from_state_dict(state)
+
+
+def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padding is written with: the pad token's, else EOS's (padding never counts either way)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ConfigError("the tokenizer has neither a pad nor an EOS token to pad chat batches with")
+    return pad
