@@ -85,8 +85,10 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
         raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
     ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
     teacher = models.load(config.teacher, ds_config, config.training.dtype)
-    calibration = calibration_loader(train_loader)
     device = distributed.init()
+    if deepspeed_config.zero_stage(ds_config) != 3:
+        teacher.to(device)  # a replicated teacher: whole on every rank, as the run will hold it
+    calibration = calibration_loader(train_loader)
     return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
 
 

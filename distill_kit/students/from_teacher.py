@@ -205,15 +205,14 @@ def gathered(module: nn.Module) -> Iterator[None]:
 def gathered_while_running(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Each module's weights are gathered when its forward starts and freed when it ends, so a ZeRO-3 model
     without an engine can run its own forward while holding one layer at a time."""
-    handles = []
+    handles, held = [], {}
 
     def enter(module: nn.Module, _args: tuple) -> None:
-        module._distill_gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-        module._distill_gathered.__enter__()
+        held[module] = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        held[module].__enter__()
 
     def leave(module: nn.Module, _args: tuple, _out: object) -> None:
-        module._distill_gathered.__exit__(None, None, None)
-        del module._distill_gathered
+        held.pop(module).__exit__(None, None, None)
 
     try:
         for module in modules:
