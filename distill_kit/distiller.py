@@ -80,7 +80,7 @@ class Distiller(Trainer):
         check_vocabularies(student_model, teacher_model)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
-        self.student = build_student(student_model, self.loss, self.student_ds_config)
+        self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

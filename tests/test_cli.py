@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from distill_kit.data import blocks
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import run_config
+from distill_kit.run import cli, run_config, validate
 
 SCRIPT = ROOT / "scripts/distill.py"
 
@@ -76,16 +79,30 @@ def _heldout_perplexity(model_dir: Path, tiny: dict[str, Path]) -> float:
 def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
     """1 rank under plain python, 2 ranks under the deepspeed launcher: report, curves, exported students."""
     out = tmp_path / "run"
-    if ranks:
-        run_ranks(ROOT / "tests/workers/cli_run.py", _run_args(tiny, out), nprocs=2, launcher="deepspeed")
+    if ranks:  # streamed data: every rank must still run the same number of micro-batches
+        done = run_ranks(ROOT / "tests/workers/cli_run.py", [*_run_args(tiny, out), "data.streaming=true"], nprocs=2,
+                         launcher="deepspeed")
+        assert done.stdout.count("process group destroyed before exit") == 2  # and every rank exited 0
     else:
+        # A start that fails (here: a record that is not text, found only when the data is read) claims nothing:
+        # the same command, fixed, then runs in that folder.
+        bad = tmp_path / "heldout.jsonl"
+        bad.write_text('{"text": "fine"}\n{"text": 12}\n')
+        message = _main_error(*_run_args(tiny, out), f"data.heldout={bad}")
+        assert "data: " in message and "heldout.jsonl: record 1 (counting from 0) has text=12, not a string" in message
+        assert not (out / "run_identity.json").exists() and not (out / "init").exists()
         run_ranks(SCRIPT, _run_args(tiny, out), nprocs=0)
     report = json.loads((out / "report.json").read_text())
     students = report["summary"]["students"]
     assert set(students) == {"distilled", "no_teacher"}
     assert "perplexity_reduction_vs_no_teacher" in students["distilled"]
     assert [e["step"] for e in report["evaluations"]] == [3, 6]
-    assert (out / "loss_curves.png").stat().st_size > 0
+    # The engines ran the run config's optimizer settings, and the report says so.
+    engine = report["deepspeed_configs"]["students"]["distilled"]
+    assert engine["optimizer"]["params"]["betas"] == report["config"]["training"]["betas"] == [0.9, 0.95]
+    assert engine["gradient_clipping"] == report["config"]["training"]["max_grad_norm"]
+    assert [r["distilled/lr"] for r in _jsonl(out / "train.jsonl")] == pytest.approx(
+        [3e-3 * f for f in (1 / 20, 2 / 20, 3 / 20, 4 / 20, 5 / 20, 6 / 20)], rel=1e-12)  # warm-up 20 > 6 steps
     for name in students:
         # The exported student reloads and reproduces the perplexity measured on the model in training.
         exported = _heldout_perplexity(out / "students" / name, tiny)
@@ -96,11 +113,45 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
     # The same folder again: refused without --resume; with it, the run continues from its last checkpoint.
     again = _cli(*_run_args(tiny, out), "training.max_steps=9")
     assert again.returncode != 0 and "holds checkpoints of this run: resume it (--resume)" in again.stderr
+    # --resume that finds nothing to resume (a mistyped checkpoint folder) is an error naming where it looked,
+    # and leaves the run's logs, report and students as they were.
+    before = {name: (out / name).read_bytes() for name in ("train.jsonl", "eval.jsonl", "report.json")}
+    message = _main_error(*_run_args(tiny, out), f"training.checkpoint_dir={out / 'checkpoitns'}", "--resume")
+    assert f"there is no checkpoint to resume in {out / 'checkpoitns'}" in message
+    message = _main_error(*_run_args(tiny, tmp_path / "not-a-run"), "--resume")
+    assert f"output directory {tmp_path / 'not-a-run'} holds no run to resume" in message
+    assert not (tmp_path / "not-a-run").exists()
+    # --resume whose checkpoints are all corrupt stops too, instead of starting again from step 0.
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(out, corrupt)
+    for step in (corrupt / "checkpoints").glob("step_*"):
+        (step / "rank00000.json").write_text("{}")
+    message = _main_error(*_run_args(tiny, corrupt), "--resume")
+    assert f"no checkpoint in {corrupt / 'checkpoints'} can be loaded" in message
+    assert "step_00000006: rank00000.json has 2 bytes" in message
+    assert {name: (out / name).read_bytes() for name in before} == before
+    # What a save on a full disk leaves (an unfinished .partial-*) is cleared by the next start, not by hand.
+    (out / "checkpoints/.partial-step_00000009/deepspeed").mkdir(parents=True)
     run_ranks(SCRIPT, [*_run_args(tiny, out), "training.max_steps=9", "--resume"], nprocs=0)
+    assert not list((out / "checkpoints").glob(".partial-*"))
     assert [r["step"] for r in _jsonl(out / "train.jsonl")] == list(range(1, 10))
     assert [e["step"] for e in json.loads((out / "report.json").read_text())["evaluations"]] == [3, 6, 9]
     other = _cli(*_run_args(tiny, out), "training.lr=1e-2", "--resume")
     assert other.returncode != 0 and "holds another run (training.lr: 0.003 -> 0.01)" in other.stderr
+
+
+def _main_error(*args: str) -> str:
+    """The message the CLI stops with (in this process: nothing is loaded before these errors). The rendezvous
+    variables a one-rank start sets are put back, so that ranks launched later pick their own port."""
+    environment = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    assert isinstance(stopped.value.code, str) and stopped.value.code.startswith("config error: ")
+    return stopped.value.code
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -139,3 +190,61 @@ def test_bad_input_is_a_clear_error(args, message):
     done = _cli(*args)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--training.max_steps", "1.05e1"], "training.max_steps: expected an integer, got '1.05e1'"),
+    (["--training.lr", "inf"], "training.lr: expected a finite number, got 'inf'"),
+    (["--training.lr", "nan"], "training.lr: expected a finite number, got 'nan'"),
+    (["--students", "[{name: a"], "students: cannot read '[{name: a' as YAML (line 1, column 10"),
+])
+def test_bad_values_are_refused_at_load(args, message):
+    with pytest.raises(run_config.ConfigError, match=re.escape(message)):
+        run_config.load(None, args)
+    assert run_config.load(None, ["--training.max_steps", "1e1"]).training.max_steps == 10
+
+
+def test_bad_yaml_files_are_refused_naming_file_and_line(tmp_path):
+    (tmp_path / "inf.yaml").write_text("training:\n  lr: .inf\n")
+    with pytest.raises(run_config.ConfigError, match="training.lr: expected a finite number, got inf"):
+        run_config.load(tmp_path / "inf.yaml")
+    (tmp_path / "broken.yaml").write_text("training:\n  lr: [1, 2\n  max_steps: 3\n")
+    with pytest.raises(run_config.ConfigError, match=r"broken.yaml' is not valid YAML: line 3, column 12"):
+        run_config.load(tmp_path / "broken.yaml")
+
+
+def test_every_start_problem_is_found_before_any_work_or_write(tiny, tmp_path):
+    """Models, init, data, DeepSpeed configs and the checkpoint disk, all reported at once, nothing written."""
+    (tmp_path / "empty_teacher").mkdir()
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "run"
+    args = [*_run_args(tiny, out), f"data.heldout={tmp_path / 'latin1.txt'}",
+            "--student_ds_overrides", "{gradient_clipingg: 1.0}",
+            f"training.checkpoint_dir={tmp_path / 'a_file' / 'checkpoints'}"]
+    message = _main_error(*args)
+    assert "3 problems" in message
+    assert "data.heldout: " in message and "latin1.txt is not UTF-8 text: line 1 has the byte 0xe9" in message
+    assert "unknown key 'gradient_clipingg' (DeepSpeed would ignore it); did you mean 'gradient_clipping'?" in message
+    assert f"training.checkpoint_dir '{tmp_path / 'a_file' / 'checkpoints'}' cannot be created" in message
+    assert "students: " not in message and not out.exists()
+    message = _main_error(*_run_args(tiny, out), f"teacher={tmp_path / 'empty_teacher'}")
+    assert f"teacher: the folder '{tmp_path / 'empty_teacher'}' holds no model (no config.json)" in message
+    message = _main_error(*_run_args(tiny, out), "--students", "[{name: s, init: {n_layer: 1, n_embdd: 32}}]")
+    assert "students[s].init: ['n_embdd'] are not fields of the teacher's GPT2Config" in message
+    assert not out.exists()
+
+
+def test_a_checkpoint_disk_without_room_is_refused_naming_the_sizes(tiny, tmp_path, monkeypatch):
+    config = run_config.load(None, [*_run_args(tiny, tmp_path / "run"), "training.keep_checkpoints=2"])
+    config = cli.with_output_dir(config, resume=False)
+    start = validate.Start(config, resume=False, identity=cli.run_identity(config))
+    assert validate.check_checkpoint_disk(start) == []
+    # Two 1-layer students of width 32 on a 300-token vocabulary, fp32: weights and three fp32 optimizer states.
+    parameters = sum(validate._parameters(c) for c in start.students().values())
+    each = parameters * (4 + 12)
+    monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each - 1)
+    (problem,) = validate.check_checkpoint_disk(start)
+    assert f"needs about {3 * each / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each" in problem
+    monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each)
+    assert validate.check_checkpoint_disk(start) == []

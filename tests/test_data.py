@@ -16,6 +16,7 @@ from distill_kit.data.blocks import (
     IGNORE_INDEX,
     BlockLoader,
     DataConfig,
+    DataError,
     StreamingBlockLoader,
     build_splits,
     load_text,
@@ -154,3 +155,28 @@ def test_clear_errors(tokenizer, tmp_path):
         BlockLoader(small, 1, rank=2, world_size=2)
     with pytest.raises(ValueError, match="block_size"):
         DataConfig(train="x.jsonl", block_size=1)
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("empty.jsonl", b"", r"empty.jsonl is empty"),
+    ("empty.txt", b"", r"empty.txt is empty"),
+    ("blank.jsonl", b"\n\n", r"blank.jsonl holds no records"),
+    ("latin1.txt", "ok\ncaf\u00e9\n".encode("latin-1"), r"latin1.txt is not UTF-8 text: line 2 has the byte 0xe9"),
+    ("numbers.jsonl", b'{"text": "a"}\n{"text": 5}\n', r"numbers.jsonl: record 1 .* has text=5, not a string"),
+    ("null.jsonl", b'{"text": "a"}\n{"text": null}\n', r"null.jsonl: record 1 .* has text=None, not a string"),
+    ("broken.jsonl", b'{"text": "a"\n', r"cannot read data file\(s\) .*broken.jsonl as json: .*JSON parse error"),
+])
+def test_bad_data_files_are_errors_naming_the_file(tokenizer, tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    config = DataConfig(train=str(tmp_path / name), heldout=str(tmp_path / name), block_size=4)
+    with pytest.raises(DataError, match=message):
+        build_splits(config, tokenizer)
+
+
+def test_a_stream_names_the_file_of_a_record_that_is_not_text(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", ["ab"])
+    with path.open("a") as handle:
+        handle.write('{"text": 7}\n')
+    splits = build_splits(DataConfig(train=str(path), heldout=str(path), block_size=4, streaming=True), tokenizer)
+    with pytest.raises(DataError, match=r"train.jsonl: a record has text=7, not a string"):
+        list(splits.train)

@@ -29,6 +29,9 @@ def test_students_of_one_teacher_match_separate_runs(ranks):
             lr, alone_loss, shared_loss = result["lr_and_last_losses"][name]
             assert shared_loss == pytest.approx(alone_loss, rel=1e-6)
         assert result["lr_and_last_losses"]["big"][0] == 2e-3  # its own lr, not the run's
+        # Each student's own schedule (warm-up 2 of 4 steps, linear decay), the lr each step used, written out:
+        small_big = [1.5e-3, 1e-3, 3e-3, 2e-3, 2e-3, 4e-3 / 3, 1e-3, 2e-3 / 3]  # step 1 (small, big), step 2, ...
+        assert [lr for step in result["lrs"] for lr in step] == pytest.approx(small_big, rel=1e-12)
         assert {"small/loss", "small/lr", "big/cross_entropy", "big/reverse_kl", "step"} <= set(result["history_keys"])
 
 

@@ -42,7 +42,8 @@ def test_grouped_configs_report_every_students_problems_at_once():
         )
     message = str(err.value)
     assert "student 'a' DeepSpeed config: no \"optimizer\" section" in message
-    assert "student 'b' and teacher DeepSpeed configs disagree on precision" in message
+    assert ("student 'b' DeepSpeed config: bf16.enabled is True but the run's training.dtype is 'fp32'; set "
+            "bf16.enabled to \"auto\" (or leave it out), or training.dtype to 'bf16'") in message
     assert "student 'c'" not in message
 
 

@@ -8,17 +8,23 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from torch import nn
 
 from distill_kit import TrainingConfig
 from distill_kit.distiller import check_vocabularies
 from distill_kit.training import checkpoint
+from distill_kit.training.loop import Trainer
 from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
 from distill_kit.training.preemption import StopRequest
 
@@ -52,7 +58,8 @@ def test_save_writes_everything_then_the_manifest_and_keeps_the_last_n(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["teacher_sha256"] == HASH and manifest["world_size"] == 1
-    assert set(manifest["files"]) == {"deepspeed/model_states.pt", "rank00000.pt", "trainer_state.json"}
+    assert set(manifest["files"]) == {"deepspeed/model_states.pt", "rank00000.json", "rank00000.safetensors",
+                                      "trainer_state.json"}
     assert checkpoint.verify(path) is None
 
 
@@ -66,7 +73,7 @@ def test_a_complete_checkpoint_of_the_same_step_is_kept_and_leftovers_are_cleare
 
 @pytest.mark.parametrize(("damage", "reason"), [
     (lambda p: (p / "manifest.json").unlink(), "no manifest"),
-    (lambda p: (p / "rank00000.pt").unlink(), "rank00000.pt is missing"),
+    (lambda p: (p / "rank00000.json").unlink(), "rank00000.json is missing"),
     (lambda p: (p / "deepspeed/model_states.pt").write_bytes(b"weightz"), "does not match its sha256"),
     (lambda p: (p / "deepspeed/model_states.pt").write_bytes(b"w"), "has 1 bytes, the manifest says 7"),
     (lambda p: (p / "manifest.json").write_text("{"), "manifest is unreadable"),
@@ -104,8 +111,8 @@ def test_a_group_checkpoint_keeps_each_engine_in_its_folder_under_one_manifest(t
                            teacher_sha256=None, keep_last=1)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["models"] == ["big", "small"] and manifest["teacher_sha256"] is None
-    assert set(manifest["files"]) == {"big/model_states.pt", "small/model_states.pt", "rank00000.pt",
-                                      "trainer_state.json"}
+    assert set(manifest["files"]) == {"big/model_states.pt", "small/model_states.pt", "rank00000.json",
+                                      "rank00000.safetensors", "trainer_state.json"}
     loaded = {"small": FakeEngine(), "big": FakeEngine()}
     assert checkpoint.load(path, loaded, teacher_sha256=None)[0] == {"step": 2}
     assert loaded["big"].loaded_from == path / "big" and loaded["small"].loaded_from == path / "small"
@@ -139,12 +146,15 @@ def test_output_dir_guard(tmp_path):
         checkpoint.check_output_dir(tmp_path / "stranger", run, resume=False)
 
 
-def test_random_generators_round_trip():
+def test_random_generators_round_trip(tmp_path):
+    random.gauss(0, 1), np.random.randn()  # cached Gaussians are part of the state too
     state = checkpoint.capture_rng()
-    first = [random.random(), np.random.rand(), torch.rand(3)]
-    checkpoint.restore_rng(state)
-    again = [random.random(), np.random.rand(), torch.rand(3)]
-    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+    first = [random.random(), np.random.rand(), torch.rand(3), random.gauss(0, 1), np.random.randn()]
+    path = checkpoint.save(tmp_path, FakeEngine(), step=1, trainer_state={}, rank_state={"rng": state},
+                           teacher_sha256=None, keep_last=1)
+    checkpoint.restore_rng(checkpoint.load(path, FakeEngine(), teacher_sha256=None)[1]["rng"])  # via JSON files
+    again = [random.random(), np.random.rand(), torch.rand(3), random.gauss(0, 1), np.random.randn()]
+    assert first[:2] + first[3:] == again[:2] + again[3:] and torch.equal(first[2], again[2])
 
 
 def test_teacher_fingerprint_names_the_weights():
@@ -226,3 +236,164 @@ def test_a_student_vocabulary_larger_than_the_teachers_is_refused():
     with pytest.raises(ValueError, match=r"student's vocabulary \(120\) is larger than the teacher's \(96\)"):
         check_vocabularies(model(120), model(96))
     check_vocabularies(model(96), model(128))  # a padded teacher vocabulary is cut by the losses
+
+
+def _reseal(path: Path, **manifest_changes) -> None:
+    """Recompute a checkpoint's manifest over its files, as someone handing over a crafted directory would."""
+    manifest = json.loads((path / "manifest.json").read_text()) | manifest_changes
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
+    manifest["files"] = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+                         for p in files}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_corrupt_checkpoints_never_push_out_the_one_just_written(tmp_path, caplog):
+    """Corrupt checkpoints of later steps take none of the kept places: each new one stays, older ones go."""
+    for step in (5, 6):
+        (save(tmp_path, step) / "deepspeed/model_states.pt").write_bytes(b"weightz")
+    save(tmp_path, 1)
+    with caplog.at_level(logging.WARNING, logger="distill_kit.training.checkpoint"):
+        save(tmp_path, 2)
+        save(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000005",
+                                                           "step_00000006"]
+    assert "step_00000006 is corrupt (deepspeed/model_states.pt does not match its sha256" in caplog.text
+    # A verified checkpoint of a later step does not push out the one just written either.
+    save(tmp_path / "later", 9)
+    save(tmp_path / "later", 8)
+    save(tmp_path / "later", 4, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "later").iterdir()) == ["step_00000004", "step_00000009"]
+
+
+class _OneEngineTrainer(Trainer):
+    def __init__(self, directory: Path):
+        super().__init__(TrainingConfig(checkpoint_dir=str(directory)))
+        self.engine = FakeEngine()
+
+    def engines(self):
+        return {"": self.engine}
+
+
+def test_resume_refuses_a_folder_whose_checkpoints_are_all_corrupt(tmp_path):
+    trainer = _OneEngineTrainer(tmp_path)
+    assert trainer.resume() is None  # nothing saved yet: a fresh start
+    (save(tmp_path, 3) / "rank00000.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no checkpoint in .* can be loaded: .*step_00000003: rank00000.json has 2 "
+                                         r"bytes.* restore it from a copy, or start a new run"):
+        trainer.resume()
+    assert trainer.step == 0 and trainer.engine.loaded_from is None
+
+
+class _RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_state_file_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+    path = save(tmp_path / "ckpt", 1)
+    # The pickle format of older checkpoints is read with weights_only: a payload that runs code is refused ...
+    torch.save({"rng": _RunsCode(marker)}, path / "rank00000.pt")
+    _reseal(path, format=1)
+    engine = FakeEngine()
+    with pytest.raises(ValueError, match="refusing .*rank00000.pt: it holds more than plain state"):
+        checkpoint.load(path, engine, teacher_sha256=HASH)
+    assert not marker.exists() and engine.loaded_from is None
+    # ... and today's format never unpickles anything, whatever files a directory holds.
+    _reseal(path, format=checkpoint.FORMAT)
+    assert checkpoint.load(path, engine, teacher_sha256=HASH)[1] == {"data": 1}
+    assert not marker.exists()
+
+
+def test_an_older_pickled_state_still_resumes_exactly(tmp_path):
+    path = save(tmp_path, 1)
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    expected = [random.random(), np.random.rand(), torch.rand(3)]
+    torch.save({"rng": state, "micro_batches_seen": 4, "loader": None}, path / "rank00000.pt")
+    for name in ("rank00000.json", "rank00000.safetensors"):
+        (path / name).unlink()
+    _reseal(path, format=1)
+    rank_state = checkpoint.load(path, FakeEngine(), teacher_sha256=HASH)[1]
+    checkpoint.restore_rng(rank_state["rng"])
+    again = [random.random(), np.random.rand(), torch.rand(3)]
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2]) and rank_state["micro_batches_seen"] == 4
+
+
+def test_rank_state_holds_only_json_and_tensors(tmp_path):
+    with pytest.raises(TypeError, match=r"rank state .data: a set cannot be stored safely"):
+        checkpoint.save(tmp_path, FakeEngine(), step=1, trainer_state={}, rank_state={"data": {1}},
+                        teacher_sha256=None, keep_last=1)
+
+
+def test_a_second_ctrl_c_interrupts_through_nested_stop_requests():
+    """The CLI holds a request around the loop's own: the second Ctrl-C must still interrupt, and a second
+    SIGTERM must still end the process (the handler from before both is put back)."""
+    previous = signal.getsignal(signal.SIGINT)
+    with StopRequest(torch.device("cpu")) as outer:
+        with pytest.raises(KeyboardInterrupt), StopRequest(torch.device("cpu")) as inner:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert inner.received == outer.received == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is previous
+    code = ("import os, signal, time, torch\n"
+            "from distill_kit.training.preemption import StopRequest\n"
+            "with StopRequest(torch.device('cpu')), StopRequest(torch.device('cpu')):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(1)\n"
+            "print('survived')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == -signal.SIGTERM and "survived" not in done.stdout, done.stderr
+
+
+class _FullDisk(FakeEngine):
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; basic_ios::clear: iostream "
+                           "error")
+
+
+def test_a_failed_save_names_the_folder_and_the_free_space(tmp_path):
+    with pytest.raises(OSError, match=r"could not write checkpoint .*\.partial-step_00000004: .*iostream error\. "
+                                      r"[0-9.]+ GB free on the disk of .*free space or choose another"):
+        save(tmp_path, 4, engine=_FullDisk())
+    save(tmp_path, 5)  # the next save clears what the failed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+
+
+class _DeepSpeedLikeEngine(FakeEngine):
+    """Saves and loads its weights through DeepSpeed's own checkpoint engine, as a real engine does."""
+
+    def __init__(self, payload: object):
+        super().__init__()
+        self.payload, self.checkpoint_engine, self.loaded = payload, TorchCheckpointEngine(), None
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        (Path(save_dir) / tag).mkdir(parents=True)
+        self.checkpoint_engine.save(self.payload, str(Path(save_dir) / tag / "optim_states.pt"))
+
+    def load_checkpoint(self, load_dir: str, tag: str):
+        self.loaded = self.checkpoint_engine.load(str(Path(load_dir) / tag / "optim_states.pt"))
+        return super().load_checkpoint(load_dir, tag)
+
+
+def test_deepspeed_files_are_read_without_running_code(tmp_path):
+    """DeepSpeed unpickles its files with weights_only=False; during load() they are read with weights_only and
+    only the plain types its ZeRO states hold."""
+    state = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "exp_avg": torch.ones(3)}
+    path = checkpoint.save(tmp_path / "ckpt", _DeepSpeedLikeEngine(state), step=1, trainer_state={}, rank_state={},
+                           teacher_sha256=None, keep_last=1)
+    engine = _DeepSpeedLikeEngine(None)
+    checkpoint.load(path, engine, teacher_sha256=None)
+    assert engine.loaded["zero_stage"] is ZeroStageEnum.gradients and torch.equal(engine.loaded["exp_avg"],
+                                                                                  torch.ones(3))
+    assert engine.checkpoint_engine.load.__func__ is TorchCheckpointEngine.load  # DeepSpeed's own again after
+    marker = tmp_path / "ran"
+    torch.save({"exp_avg": _RunsCode(marker)}, path / "deepspeed/optim_states.pt")
+    _reseal(path)
+    with pytest.raises(ValueError, match="refusing DeepSpeed checkpoint file .*optim_states.pt: it holds more than"):
+        checkpoint.load(path, _DeepSpeedLikeEngine(None), teacher_sha256=None)
+    assert not marker.exists()

@@ -21,6 +21,7 @@ shifts), with -100 where nothing is to be predicted.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,15 @@ BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", 
 # Documents tokenised per ``map`` call: large enough to amortise the call, small enough for RAM.
 MAP_BATCH_SIZE = 1000
 
+# Formats read as UTF-8 text, whose bytes are checked before anything is tokenised.
+TEXT_FORMATS = {".txt", ".text", ".json", ".jsonl"}
+CHECK_CHUNK = 1 << 24  # bytes decoded at a time when checking a file's encoding
+
 Batch = dict[str, torch.Tensor]
+
+
+class DataError(ValueError):
+    """A data file that cannot become training text; the message names the file (and line or record) and the fix."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,8 @@ class DataConfig:
     max_heldout_blocks: int | None = None
     """Keep only the first N held-out blocks (chat: conversations; bounds evaluation time)."""
     streaming: bool = False
-    """Read and tokenise lazily instead of writing the Arrow cache; see :class:`StreamingBlockLoader`."""
+    """Read and tokenise lazily instead of writing the Arrow cache; see :class:`StreamingBlockLoader`. Needs
+    ``heldout`` files; the CLI reads the held-out blocks (at most ``max_heldout_blocks``) into memory."""
     seed: int = 0
     num_proc: int | None = None
     """Processes for tokenisation; None tokenises in this process."""
@@ -99,15 +109,88 @@ def _as_list(files: str | Sequence[str]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
 
+def _looks_local(paths: Sequence[str]) -> bool:
+    return any(Path(path).exists() for path in paths) or {Path(path).suffix.lower() for path in paths} <= set(BUILDERS)
+
+
+_CHECKED: dict[str, tuple[int, int]] = {}  # files found readable, by path: (size, mtime) then; checked once
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as data, or None: missing, unreadable, empty, or (text) not UTF-8."""
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_file():
+        return f"{path} is not a file"
+    stat = path.stat()
+    if _CHECKED.get(str(path)) == (stat.st_size, stat.st_mtime_ns):
+        return None
+    try:
+        with path.open("rb") as handle:
+            if path.suffix.lower() not in TEXT_FORMATS:
+                handle.read(1)
+            elif (problem := _utf8_problem(handle)) is not None:
+                return f"{path} {problem}"
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror or err})"
+    if stat.st_size == 0:
+        return f"{path} is empty"
+    _CHECKED[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return None
+
+
+def _utf8_problem(handle: Any) -> str | None:
+    """Where a file stops being UTF-8 (line and byte), or None; also a JSON file of nothing but blank lines."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset, blank = 1, 0, True
+    while chunk := handle.read(CHECK_CHUNK):
+        try:
+            blank = blank and not chunk.strip()
+            decoder.decode(chunk)
+        except UnicodeDecodeError as err:
+            line += chunk.count(b"\n", 0, err.start)
+            return (f"is not UTF-8 text: line {line} has the byte 0x{chunk[err.start]:02x} (byte {offset + err.start}"
+                    " of the file). Re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+        line += chunk.count(b"\n")
+        offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return "is not UTF-8 text: it ends inside a multi-byte character (a truncated file?)"
+    if blank and offset and Path(getattr(handle, "name", "")).suffix.lower() in (".json", ".jsonl"):
+        return "holds no records (only blank lines)"
+    return None
+
+
+def check_files(files: str | Sequence[str]) -> list[str]:
+    """Every problem of local data files that can be found without tokenising, one line each (none for a hub
+    dataset name): missing, unreadable, empty, not UTF-8 (with the line), mixed formats."""
+    paths = _as_list(files)
+    if not paths:
+        return ["no data files given: set data.train to a file, a list of files or a hub dataset name"]
+    if not _looks_local(paths):
+        return []
+    problems = [problem for path in paths if (problem := _file_problem(Path(path))) is not None]
+    suffixes = {Path(path).suffix.lower() for path in paths}
+    if len(suffixes) != 1 or next(iter(suffixes)) not in BUILDERS:
+        problems.append(f"data files must share one format among {sorted(BUILDERS)}; got endings {sorted(suffixes)}")
+    return problems
+
+
 def load_text(
-    files: str | Sequence[str], *, streaming: bool = False
+    files: str | Sequence[str], *, streaming: bool = False, text_field: str | None = None
 ) -> datasets.Dataset | datasets.IterableDataset:
-    """Load local files (one format per call) or, if ``files`` names no local path, a hub dataset's train split."""
+    """Load local files (one format per call) or, if ``files`` names no local path, a hub dataset's train split.
+
+    Local files are checked first (:func:`check_files`); with ``text_field``, a loaded (not streamed) dataset's
+    column is checked to hold only strings. Each problem is a :class:`DataError` (or FileNotFoundError for a
+    missing file) naming the file.
+    """
     paths = _as_list(files)
     if not paths:
         raise ValueError("no data files given: set data.train to a file, a list of files or a hub dataset name")
     suffixes = {Path(path).suffix.lower() for path in paths}
-    looks_local = any(Path(path).exists() for path in paths) or suffixes <= set(BUILDERS)
+    looks_local = _looks_local(paths)
     if not looks_local:
         try:
             return datasets.load_dataset(paths[0], split="train", streaming=streaming)
@@ -123,8 +206,34 @@ def load_text(
         raise ValueError(
             f"data files must share one format among {sorted(BUILDERS)}; got endings {sorted(suffixes)}"
         )
+    problems = check_files(paths)
+    if problems:
+        raise DataError("bad data file(s): " + "; ".join(problems))
     builder = BUILDERS[next(iter(suffixes))]
-    return datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+    try:
+        dataset = datasets.load_dataset(builder, data_files=paths, split="train", streaming=streaming)
+    except Exception as err:  # pyarrow and the builders raise many types; the cause is in the chain
+        cause = err.__cause__ or err.__context__ or err
+        raise DataError(f"cannot read data file(s) {', '.join(paths)} as {builder}: {type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else 'no detail'}. Check that each file is "
+                        f"valid {builder} ({'one JSON object per line' if builder == 'json' else 'its format'})."
+                        ) from err
+    if text_field is not None and isinstance(dataset, datasets.Dataset):
+        _check_text_column(dataset, text_field, ", ".join(paths))
+    return dataset
+
+
+def _check_text_column(dataset: datasets.Dataset, text_field: str, source: str) -> None:
+    """Every record's ``text_field`` is a string: numbers, nulls and nested values are errors naming one."""
+    feature = dataset.features.get(text_field)
+    if feature is None:
+        return  # tokenize_to_blocks names the missing column with the ones there are
+    is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    if is_text and dataset.data.column(text_field).null_count == 0:
+        return
+    index, value = next((i, v) for i, v in enumerate(dataset[text_field]) if not isinstance(v, str))
+    raise DataError(f"{source}: record {index} (counting from 0) has {text_field}={value!r}, not a string; "
+                    f"every record's {text_field!r} must be text (or set data.text_field to the column that is)")
 
 
 def _blocks_from_ids(ids: list[int], block_size: int, pad_id: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
@@ -144,13 +253,15 @@ def tokenize_to_blocks(
     text_field: str = "text",
     num_proc: int | None = None,
     desc: str = "tokenising",
+    source: str | None = None,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """Tokenise ``text_field`` and turn documents into ``block_size`` blocks (see the module docstring).
 
     Each document ends with the tokenizer's EOS token, so the model learns where documents end and
     packed neighbours are separated. Packing joins the documents of one ``map`` batch; only the
-    last block of each such batch can be short (then padded).
+    last block of each such batch can be short (then padded). ``source`` (the files) names them in errors.
     """
+    streaming = isinstance(dataset, datasets.IterableDataset)
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; packing needs one to separate documents")
     eos = tokenizer.eos_token_id
@@ -160,6 +271,10 @@ def tokenize_to_blocks(
         raise KeyError(f"data.text_field {text_field!r} is not a column of the dataset; its columns are {columns}")
 
     def to_blocks(rows: Mapping[str, list[Any]]) -> dict[str, list[list[int]]]:
+        bad = next((v for v in rows[text_field] if not isinstance(v, str)), "") if streaming else ""
+        if not isinstance(bad, str):  # a stream is not checked up front (see load_text)
+            raise DataError(f"{source or 'the data'}: a record has {text_field}={bad!r}, not a string; every "
+                            f"record's {text_field!r} must be text")
         docs = [ids + [eos] for ids in tokenizer(rows[text_field], add_special_tokens=False)["input_ids"]]
         streams = [list(itertools.chain.from_iterable(docs))] if packing else docs
         out: dict[str, list[list[int]]] = {name: [] for name in BLOCK_COLUMNS}
@@ -177,16 +292,16 @@ def tokenize_to_blocks(
 
 def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataSplits:
     """Load, hold out, tokenise and (optionally) slice both splits as ``config`` says."""
-    train_text = load_text(config.train, streaming=config.streaming)
+    train_text = load_text(config.train, streaming=config.streaming, text_field=config.text_field)
     if config.heldout is not None:
-        heldout_text = load_text(config.heldout, streaming=config.streaming)
+        heldout_text = load_text(config.heldout, streaming=config.streaming, text_field=config.text_field)
     elif config.streaming:
         raise ValueError("streaming needs explicit held-out files (data.heldout): a stream cannot be split by fraction")
     else:
         parts = train_text.train_test_split(test_size=config.heldout_fraction, seed=config.seed)
         train_text, heldout_text = parts["train"], parts["test"]
 
-    def blocks(text: datasets.Dataset | datasets.IterableDataset, limit: int | None, name: str):
+    def blocks(text: datasets.Dataset | datasets.IterableDataset, limit: int | None, name: str, files: Any):
         tokenised = tokenize_to_blocks(
             text,
             tokenizer,
@@ -195,6 +310,7 @@ def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Data
             text_field=config.text_field,
             num_proc=config.num_proc,
             desc=f"tokenising {name}",
+            source=", ".join(_as_list(files)),
         )
         if limit is None:
             return tokenised
@@ -203,8 +319,8 @@ def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Data
         return tokenised.select(range(min(limit, len(tokenised))))
 
     return DataSplits(
-        train=blocks(train_text, config.max_train_blocks, "train"),
-        heldout=blocks(heldout_text, config.max_heldout_blocks, "held-out"),
+        train=blocks(train_text, config.max_train_blocks, "train", config.train),
+        heldout=blocks(heldout_text, config.max_heldout_blocks, "held-out", config.heldout or config.train),
     )
 
 

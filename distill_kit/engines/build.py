@@ -11,6 +11,8 @@ from torch import nn
 
 from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.models import TORCH_DTYPES
+from distill_kit.training import schedule
+from distill_kit.training.config import TrainingConfig
 
 
 class StudentWithLoss(nn.Module):
@@ -30,8 +32,11 @@ class StudentWithLoss(nn.Module):
         return self.student(**inputs)
 
 
-def build_student(model: nn.Module, loss: nn.Module, ds_config: Mapping[str, Any]) -> deepspeed.DeepSpeedEngine:
-    """The student's training engine; its optimizer and scheduler come from its DeepSpeed config."""
+def build_student(
+    model: nn.Module, loss: nn.Module, ds_config: Mapping[str, Any], training: TrainingConfig
+) -> deepspeed.DeepSpeedEngine:
+    """The student's training engine: its optimizer from its DeepSpeed config, its learning-rate schedule the
+    run's (``training/schedule.py``; DeepSpeed steps it after every applied optimizer step)."""
     module = StudentWithLoss(model, loss)
     if module.loss is not None and zero_stage(ds_config) == 3:
         raise ValueError(
@@ -40,7 +45,9 @@ def build_student(model: nn.Module, loss: nn.Module, ds_config: Mapping[str, Any
         )
     module.train()
     trainable = [p for p in module.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=dict(ds_config))
+    config = {key: value for key, value in ds_config.items() if key != "scheduler"}  # the run's schedule runs
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=config,
+                                      lr_scheduler=lambda optimizer: schedule.scheduler(optimizer, training))
     return engine
 
 

@@ -3,9 +3,16 @@
 Users write configs the way DeepSpeed and Accelerate document them: JSON or HJSON with trailing commas
 and ``"auto"`` values. Here they are loaded, every ``"auto"`` is filled from the run's
 :class:`~distill_kit.training.config.TrainingConfig` and the model's hidden size (the same rules transformers
-uses), and the student and teacher configs are checked against each other. Every problem is gathered and
+uses), and every config is checked against the run (below). Every problem is gathered and
 reported at once, each with its fix, because DeepSpeed itself silently ignores misplaced keys such as
 ``"zero_optimization.stage3_prefetch_bucket_size"`` written at the top level.
+
+The run config is the one truth about how a model learns: a value a DeepSpeed config states explicitly
+(``lr``, ``betas``, ``eps``, ``weight_decay``, ``gradient_clipping``, the scheduler's numbers, ``bf16``/``fp16``)
+must equal the run's, or it is an error naming both; one it leaves out is written in from the run, so that
+DeepSpeed's own defaults (AdamW's betas, no clipping) never run behind the run config's back. The learning-rate
+schedule is distill-kit's own (``training/schedule.py``): a ``"scheduler"`` section is checked against the run
+and then removed, so the engine config holds exactly what DeepSpeed is given.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +30,12 @@ import hjson
 
 from distill_kit.training.config import TrainingConfig
 
+logger = logging.getLogger(__name__)
+
 AUTO = "auto"
+ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed scheduler types, by the training.lr_schedule they describe; distill-kit runs the schedule itself.
+SCHEDULER_TYPES = {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", "WarmupLR": "constant"}
 
 # Top-level keys DeepSpeed 0.19 reads. DeepSpeed ignores anything else without a word.
 KNOWN_TOP_LEVEL_KEYS = frozenset(
@@ -61,8 +74,13 @@ def load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(loaded))  # plain dicts, not hjson's OrderedDicts
 
 
-def zero_stage(config: Mapping[str, Any]) -> int:
-    return int(config.get("zero_optimization", {}).get("stage", 0))
+def zero_stage(config: Mapping[str, Any], name: str = "DeepSpeed config") -> int:
+    """The config's ZeRO stage; anything but 0, 1, 2 or 3 is an error naming the key."""
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise DeepSpeedConfigError(f"{name}: zero_optimization.stage is {stage!r}; it must be one of 0, 1, 2, 3 "
+                                   "(a number: 2 for the student, 3 to shard the teacher)")
+    return int(stage)
 
 
 def set_dotted(config: dict[str, Any], dotted_key: str, value: Any) -> None:
@@ -119,11 +137,13 @@ def auto_values(training: TrainingConfig, hidden_size: int | None, world_size: i
         "optimizer.params.weight_decay": training.weight_decay,
         "optimizer.params.betas": list(training.betas),
         "optimizer.params.eps": training.eps,
+        # The scheduler section is only checked (distill-kit runs training/schedule.py), so these are the run's.
         "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_min_ratio": 0.0,
         "scheduler.params.warmup_max_lr": training.lr,
-        # DeepSpeed's warmup schedulers reject 0 steps (and use at least 2).
-        "scheduler.params.warmup_num_steps": max(1, training.warmup_steps),
+        "scheduler.params.warmup_num_steps": training.warmup_steps,
         "scheduler.params.total_num_steps": training.max_steps,
+        "scheduler.params.cos_min_ratio": training.min_lr_ratio,
         "zero_optimization.stage3_max_live_parameters": int(1e9),
         "zero_optimization.stage3_max_reuse_distance": int(1e9),
     }
@@ -152,25 +172,118 @@ def resolve(
     problems = _check_keys(config, name)
     for precision in ("bf16", "fp16"):  # unstated precision follows the run, like "auto"
         config.setdefault(precision, {"enabled": AUTO})
+    try:
+        stage = zero_stage(config, name)
+    except DeepSpeedConfigError as err:
+        problems.append(str(err))
+        stage = 0
     missing: list[str] = []
-    config = _fill(config, "", auto_values(training, hidden_size, world_size, zero_stage(config)), missing)
+    config = _fill(config, "", auto_values(training, hidden_size, world_size, stage), missing)
     problems += [f"{name}: cannot fill '{path}: auto'; give it a value" for path in missing]
     return config, problems
 
 
-def _check_agrees(config: dict[str, Any], training: TrainingConfig, world_size: int, name: str) -> list[str]:
-    problems = []
-    expected = {
+def _batch_keys(training: TrainingConfig, world_size: int) -> dict[str, int]:
+    return {
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
         "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * world_size,
     }
-    for key, want in expected.items():
-        if key in config and config[key] != want:
-            problems.append(
-                f"{name}: {key} is {config[key]} but the run uses {want}; set it to {want} or to \"auto\""
-            )
+
+
+def _disagrees(name: str, key: str, value: Any, field: str, want: Any) -> str:
+    return (f"{name}: {key} is {value!r} but the run's training.{field} is {want!r}; set {key} to \"auto\" "
+            f"(or leave it out), or training.{field} to {value!r}")
+
+
+def _same(value: Any, want: Any) -> bool:
+    if isinstance(want, (tuple, list)):
+        return isinstance(value, (tuple, list)) and list(value) == list(want)
+    return not isinstance(value, bool) and value == want
+
+
+def _check_precision(config: Mapping[str, Any], training: TrainingConfig, name: str) -> list[str]:
+    enabled = {kind: config.get(kind, {}).get("enabled", False) for kind in ("bf16", "fp16")}
+    if enabled["bf16"] is True and enabled["fp16"] is True:
+        return [f'{name}: bf16 and fp16 are both enabled; set both "enabled" to "auto" to follow training.dtype '
+                f"({training.dtype!r})"]
+    return [f"{name}: {kind}.enabled is {on!r} but the run's training.dtype is {training.dtype!r}; set "
+            f"{kind}.enabled to \"auto\" (or leave it out)" + (f", or training.dtype to {kind!r}" if on is True else "")
+            for kind, on in enabled.items() if on != (training.dtype == kind)]
+
+
+def _check_agrees(config: dict[str, Any], training: TrainingConfig, world_size: int, name: str) -> list[str]:
+    """A trained model's config against the run: batch, precision, optimizer, clipping and schedule."""
+    problems = [
+        f"{name}: {key} is {config[key]} but the run uses {want}; set it to {want} or to \"auto\""
+        for key, want in _batch_keys(training, world_size).items() if key in config and config[key] != want
+    ]
+    problems += _check_precision(config, training, name)
+    if "gradient_clipping" in config and not _same(config["gradient_clipping"], training.max_grad_norm):
+        problems.append(_disagrees(name, "gradient_clipping", config["gradient_clipping"], "max_grad_norm",
+                                   training.max_grad_norm))
+    params = config.get("optimizer", {}).get("params", {})
+    for key, field in {"lr": "lr", "weight_decay": "weight_decay", "betas": "betas", "eps": "eps"}.items():
+        if key in params and not _same(params[key], getattr(training, field)):
+            problems.append(_disagrees(name, f"optimizer.params.{key}", params[key], field, getattr(training, field)))
+    if "scheduler" in config:
+        problems += _check_scheduler(config["scheduler"], training, name)
     return problems
+
+
+def _check_scheduler(section: Any, training: TrainingConfig, name: str) -> list[str]:
+    """A scheduler section must describe the run's schedule; distill-kit then runs it (training/schedule.py)."""
+    kind = SCHEDULER_TYPES.get(section.get("type")) if isinstance(section, Mapping) else None
+    if kind is None:
+        return [f"{name}: scheduler {section!r} is not a schedule distill-kit runs; remove the section (the run's "
+                "training.lr_schedule, warmup_steps and min_lr_ratio set the schedule) or use type "
+                + ", ".join(f"{t} ({k})" for t, k in SCHEDULER_TYPES.items())]
+    problems = []
+    if kind != training.lr_schedule:
+        problems.append(f"{name}: scheduler type {section['type']} is a {kind} schedule but the run's "
+                        f"training.lr_schedule is {training.lr_schedule!r}; set training.lr_schedule to {kind!r}, "
+                        "or remove the scheduler section")
+    expected = {"warmup_max_lr": "lr", "warmup_num_steps": "warmup_steps", "total_num_steps": "max_steps",
+                "cos_min_ratio": "min_lr_ratio"}
+    for key, value in dict(section.get("params", {})).items():
+        if key in expected:
+            if not _same(value, getattr(training, expected[key])):
+                problems.append(_disagrees(name, f"scheduler.params.{key}", value, expected[key],
+                                           getattr(training, expected[key])))
+        elif key in ("warmup_min_lr", "warmup_min_ratio"):
+            if value != 0:
+                problems.append(f"{name}: scheduler.params.{key} is {value!r}, but warm-up starts from 0 "
+                                "(training/schedule.py); set it to 0 or \"auto\"")
+        elif key == "warmup_type":
+            if value != "linear":
+                problems.append(f"{name}: scheduler.params.warmup_type is {value!r}; the warm-up is linear, "
+                                "set it to \"linear\" or leave it out")
+        else:
+            problems.append(f"{name}: scheduler.params.{key} is not a setting of the run's schedule; remove it")
+    return problems
+
+
+def _fill_from_run(config: dict[str, Any], training: TrainingConfig) -> None:
+    """Write the run's values where a trained model's config is silent, so DeepSpeed's defaults never apply."""
+    config.setdefault("gradient_clipping", training.max_grad_norm)
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, dict):
+        params = optimizer.setdefault("params", {})
+        params.setdefault("lr", training.lr)
+        params.setdefault("weight_decay", training.weight_decay)
+        if "adam" in str(optimizer.get("type", "")).lower() or "lamb" in str(optimizer.get("type", "")).lower():
+            params.setdefault("betas", list(training.betas))
+            params.setdefault("eps", training.eps)
+
+
+def _teacher_takes_run_batch(config: dict[str, Any], training: TrainingConfig, world_size: int, name: str) -> None:
+    """A frozen teacher never uses its batch keys, but DeepSpeed wants them consistent: the run's replace them."""
+    for key, want in _batch_keys(training, world_size).items():
+        if key in config and config[key] != want:
+            logger.warning("%s: %s %s replaced by the run's %s (a frozen teacher does not use it)",
+                           name, key, config[key], want)
+            config[key] = want
+    config.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
 
 
 @dataclass(frozen=True)
@@ -198,8 +311,8 @@ def prepare_group(
     run of several models should not fail on the second one's typo after the first has loaded. Keys of
     ``trained`` name the models in the messages (``"student"`` gives "student DeepSpeed config: ...").
     The teacher is never trained, but DeepSpeed still refuses an engine without
-    ``train_micro_batch_size_per_gpu``, so it inherits the run's; its batch keys must agree with the
-    run's, since every engine sees the same micro-batches.
+    ``train_micro_batch_size_per_gpu``, so it takes the run's batch keys (a value of its own is replaced, with a
+    warning: a frozen engine never uses it); its precision must be the run's, like every trained model's.
     """
     configs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
@@ -207,12 +320,14 @@ def prepare_group(
         name = f"{label} DeepSpeed config"
         config, found = resolve(load(request.source), request.training, hidden_size=request.hidden_size,
                                 world_size=world_size, name=name, overrides=request.overrides)
-        found += _check_agrees(config, request.training, world_size, name)
         if "optimizer" not in config:
             found.append(
                 f'{name}: no "optimizer" section; add e.g. '
                 '{"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}'
             )
+        _fill_from_run(config, request.training)
+        found += _check_agrees(config, request.training, world_size, name)
+        config.pop("scheduler", None)  # checked against the run above; build.py runs training/schedule.py
         configs[label] = config
         problems += found
     teacher_cfg = None
@@ -221,22 +336,13 @@ def prepare_group(
         name = "teacher DeepSpeed config"
         teacher_cfg, found = resolve(load(teacher), training, hidden_size=teacher_hidden_size,
                                      world_size=world_size, name=name, overrides=teacher_overrides)
-        teacher_cfg.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
+        _teacher_takes_run_batch(teacher_cfg, training, world_size, name)
         teacher_cfg.pop("optimizer", None)  # a frozen engine needs none; DeepSpeed would build one
         teacher_cfg.pop("scheduler", None)
-        problems += found + _check_agrees(teacher_cfg, training, world_size, name)
-        problems += [
-            f"{label} and teacher DeepSpeed configs disagree on precision (bf16, fp16): {label} "
-            f"{_precision(config)}, teacher {_precision(teacher_cfg)}; set both to \"auto\""
-            for label, config in configs.items() if _precision(config) != _precision(teacher_cfg)
-        ]
+        problems += found + _check_precision(teacher_cfg, training, name)
     if problems:
         raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
     return configs, teacher_cfg
-
-
-def _precision(config: Mapping[str, Any]) -> tuple[bool, bool]:
-    return config.get("bf16", {}).get("enabled", False), config.get("fp16", {}).get("enabled", False)
 
 
 def prepare_pair(

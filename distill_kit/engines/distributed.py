@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from datetime import timedelta
@@ -31,12 +32,30 @@ def init(timeout_s: float = 600.0) -> torch.device:
         os.environ.setdefault("MASTER_PORT", _free_port())
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s))
+        atexit.register(_destroy)  # a group we created is gone before the interpreter tears down its threads
     accelerator = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
         return torch.device(accelerator.device_name(local_rank))
     return torch.device("cpu")
+
+
+def shutdown() -> None:
+    """End a finished job: wait for every rank, then destroy the process group.
+
+    A group left for the interpreter's exit can abort the process after its work is done ("terminate called
+    without an active exception", exit code 134), which fails every script that chains on the exit code.
+    """
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
+def _destroy() -> None:
+    """At exit, without a barrier: a rank that failed must not wait for the others."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank() -> int:

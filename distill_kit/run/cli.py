@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -18,8 +21,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config
+from distill_kit.run import report, run_config, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.students import from_teacher
@@ -35,11 +39,6 @@ def _on_main_first(work):
     result = work() if distributed.is_main() else None
     distributed.barrier()
     return result if distributed.is_main() else work()
-
-
-def _looks_local(path: str) -> bool:
-    """Hub names are ``org/name``; anything else with a path separator or dot-prefix is a local path."""
-    return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
 
 
 def prepare_data(config: RunConfig) -> blocks.DataConfig:
@@ -68,13 +67,17 @@ def calibration_loader(train_loader):
 
 
 def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
-    """The students built from the teacher's own weights (``init_from_teacher``), by name, on every rank.
+    """The students built from the teacher's own weights (``init_from_teacher``) not built yet, by name, on every
+    rank (a resume reuses those in ``<output_dir>/init``).
 
-    ``run`` checks every choice first (``check_cuts``), before any work. The teacher then loads once
-    as the run loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is
-    dropped before the engines are built; every rank measures importance on the same first training micro-batches.
+    ``run`` checks every choice first (``check_cuts``), before any work. The teacher then loads once as the run
+    loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is dropped before
+    the engines are built; every rank measures importance on the same first training micro-batches.
     """
-    wanted = {s.name: s.init_from_teacher for s in config.students if s.init_from_teacher is not None}
+    built = distributed.broadcast_object([s.name for s in config.students
+                                          if (Path(config.output_dir) / "init" / s.name / "config.json").is_file()])
+    wanted = {s.name: s.init_from_teacher for s in config.students
+              if s.init_from_teacher is not None and s.name not in built}
     if not wanted:
         return {}
     ds_config, problems = deepspeed_config.resolve(
@@ -95,27 +98,25 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
 def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
                     cut: nn.Module | None = None) -> StudentSpec:
     """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
-    fresh one built from the teacher's config with ``init`` overrides, or ``cut`` (built from the teacher's
-    weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and identically
-    for every run that shares the seed."""
+    fresh one built from the teacher's config with ``init`` overrides (checked by ``validate``), or ``cut``
+    (built from the teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO
+    layout, and identically for every run that shares the seed. It is written once (into a temporary folder,
+    then renamed): a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
             check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
         return StudentSpec(model=student.model, **spec)
-    model_config = AutoConfig.from_pretrained(config.teacher)
-    unknown = [key for key in student.init if not hasattr(model_config, key)]
-    if unknown:
-        raise ConfigError(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
-                          f"{type(model_config).__name__}; e.g. num_hidden_layers, hidden_size")
     path = Path(config.output_dir) / "init" / student.name
-    if distributed.is_main() and cut is not None:
-        cut.save_pretrained(path)
-    elif distributed.is_main():
-        model_config.update(dict(student.init))
+    if distributed.is_main() and not (path / "config.json").is_file():
+        model_config = AutoConfig.from_pretrained(config.teacher)
+        model_config.update(validate.student_init(student, model_config))
         torch.manual_seed(config.training.seed)
-        AutoModelForCausalLM.from_config(model_config).save_pretrained(path)
+        partial = path.with_name(checkpoint.PARTIAL + path.name)
+        shutil.rmtree(partial, ignore_errors=True)
+        (cut if cut is not None else AutoModelForCausalLM.from_config(model_config)).save_pretrained(partial)
+        partial.replace(path)
     distributed.barrier()
     return StudentSpec(model=str(path), **spec)
 
@@ -164,8 +165,13 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                 drop_last=False))
     splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
-    return (blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed),
-            blocks.BlockLoader(splits.heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False))
+    heldout = splits.heldout
+    if data_config.streaming:  # train from the stream; its held-out split (max_heldout_blocks) is read into memory
+        train = blocks.StreamingBlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
+        heldout = datasets.Dataset.from_list(list(heldout))
+    else:
+        train = blocks.BlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
+    return train, blocks.BlockLoader(heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
 
 
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
@@ -195,40 +201,47 @@ def train_students(config: RunConfig, students: MultiStudentDistiller, train_loa
     return True
 
 
+@contextmanager
+def _input_errors(what: str) -> Iterator[None]:
+    """Errors from reading the user's input (data, DeepSpeed configs) as ConfigErrors: a message, no traceback."""
+    try:
+        yield
+    except (blocks.DataError, DeepSpeedConfigError, FileNotFoundError, KeyError) as err:
+        raise ConfigError(f"{what}: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from err
+
+
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
-    """The whole job; returns the report's summary on every rank (None when a signal stopped it)."""
+    """The whole job; returns the report's summary on every rank (None when a signal stopped it).
+
+    Every check that needs no work comes first (``validate.py``); the output folder is claimed (its
+    ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing
+    that stops the same command, fixed, from running.
+    """
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
     out = Path(config.output_dir)
-    for kind, path in [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]:
-        if path is not None and _looks_local(path) and not Path(path).is_dir():
-            raise ConfigError(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
-    problem = None
-    if distributed.is_main():  # rank 0 reads and writes the folder; every rank stops on what it found
-        try:
-            checkpoint.check_output_dir(out, run_identity(config), resume=resume)
-        except ValueError as err:
-            problem = str(err)
-    problem = distributed.broadcast_object(problem)
-    if problem is not None:
-        raise ConfigError(problem)
+    validate.validate(config, resume, run_identity(config))
     check_cuts(config)
-    data_config = prepare_data(config)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-    train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
+    with _input_errors("data"):
+        data_config = prepare_data(config)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+        train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
+    if distributed.is_main():  # rank 0 claims the folder; validate found it fit
+        checkpoint.check_output_dir(out, run_identity(config), resume=resume)
+        checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
+    distributed.barrier()
     cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
-    world, mbs = distributed.world_size(), config.training.micro_batch_size
-    students = MultiStudentDistiller(
-        config.teacher, specs, training=config.training,
-        teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
-        student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
-    )
-    resumed = students.resume() if resume else None
-    log = RunLog(out, resumed_at=students.step if resumed else None)
-    if resume and resumed is None and distributed.is_main():
-        logger.warning("--resume: no complete checkpoint in %s yet; starting from step 0", out / "checkpoints")
+    with _input_errors("DeepSpeed config"):
+        students = MultiStudentDistiller(
+            config.teacher, specs, training=config.training,
+            teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
+            student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+        )
+    if resume and students.resume() is None:  # validate found one; it went away since
+        raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
+    log = RunLog(out, resumed_at=students.step if resume else None)
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:
@@ -242,8 +255,12 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         losses = {s.name: s.loss for s in config.students}
         histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
                      for s in config.students}
-        extra = {"seconds": time.time() - started, "world_size": world,
-                 "tokens_per_step": mbs * config.training.gradient_accumulation_steps * world * data_config.block_size}
+        tokens = (config.training.micro_batch_size * config.training.gradient_accumulation_steps
+                  * distributed.world_size() * data_config.block_size)
+        extra = {"seconds": time.time() - started, "world_size": distributed.world_size(), "tokens_per_step": tokens,
+                 # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
+                 "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
+                                       "teacher": students.teacher_ds_config}}
         inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
                  for s in config.students}
         summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra, inits)
@@ -285,4 +302,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"config error: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"], indent=2))
+    distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)
     return 0

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
@@ -235,7 +236,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
         return value
     if origin is tuple:
-        items = yaml.safe_load(value) if isinstance(value, str) else value
+        items = _safe_load(value, key) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         if len(args) == 2 and args[1] is Ellipsis:
@@ -244,12 +245,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(items)}")
         return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
     if origin in (dict, Mapping) or tp is dict:
-        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        parsed = _safe_load(value, key) if isinstance(value, str) else value
         if not isinstance(parsed, Mapping):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(parsed)
     if origin in (list, Sequence):
-        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        parsed = _safe_load(value, key) if isinstance(value, str) else value
         return list(parsed) if isinstance(parsed, (list, tuple)) else [parsed]
     if _is_dataclass_type(tp):
         if not isinstance(value, Mapping):
@@ -262,13 +263,23 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+        if tp is int and isinstance(value, int):
+            return value
+        if tp is int and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)  # exactly, even beyond a float's precision
         try:
-            number = tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
-        if tp is int and isinstance(value, float) and value != int(value):
+        if not math.isfinite(number):  # no setting means anything at inf or NaN; they would only fail later
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        if tp is float:
+            return number
+        if number != int(number):  # 1.05e1 is not an integer, and must not quietly become 10
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return number
+        return int(number)
     if tp is str:
         if isinstance(value, (Mapping, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -302,7 +313,7 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _scalar(text: Any) -> Any:
+def _scalar(text: Any, key: str = "value") -> Any:
     """A command-line string as the number, bool or structure it spells (``5e8`` is a float here)."""
     if not isinstance(text, str):
         return text
@@ -311,7 +322,7 @@ def _scalar(text: Any) -> Any:
             return number(text)
         except ValueError:
             pass
-    return yaml.safe_load(text)
+    return _safe_load(text, key)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -324,7 +335,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if _is_dataclass_type(cls) and tp is None:
             build(cls, {part: None}, ".".join(parts[:i]) + ("." if i else ""))  # raises the unknown-key error
         if tp is not None and not _is_dataclass_type(tp):
-            node[part] = dict(node.get(part, {})) | {".".join(parts[i + 1:]): _scalar(value)}
+            node[part] = dict(node.get(part, {})) | {".".join(parts[i + 1:]): _scalar(value, dotted)}
             return
         node = node.setdefault(part, {})
         cls = tp
@@ -356,12 +367,29 @@ def load(config_file: str | Path | None = None, overrides: Sequence[str] = ()) -
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"run config {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"run config {str(path)!r} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"run config {str(path)!r} must be a mapping of keys to values")
         tree = _merge(tree, loaded)
     tree = _merge(tree, parse_overrides(overrides))
     return build(RunConfig, tree)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line, with the line and column it points at (1-based, as editors count)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
+
+
+def _safe_load(text: str, key: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: cannot read {text!r} as YAML ({_yaml_problem(err)})") from None
 
 
 def dump(config: RunConfig) -> str:

@@ -7,17 +7,25 @@ and the identity of the teacher the student was trained against. Layout of a che
 
     step_00000100/              one complete checkpoint
         deepspeed/...           the engine's files (DeepSpeed tag "deepspeed"); a group's: <name>/... each
-        rank00000.pt, ...       each rank's random generators and data position
+        rank00000.json, ...     each rank's random generators and data position; its tensors (the torch and
+        rank00000.safetensors   accelerator generators) in safetensors: nothing in a run's state can run code
         trainer_state.json      step, history, counters
         manifest.json           written last: each file's size and sha256, the step, world size, teacher hash,
                                 the engines' folders
     .partial-step_00000110/     a save in progress, or what a killed process left behind
 
 Every rank writes into ``.partial-step_N``; after a barrier rank 0 hashes the files into the manifest and renames
-the directory to ``step_N`` (one atomic rename), then deletes the oldest beyond ``keep_last``. A process killed at
+the directory to ``step_N`` (one atomic rename), then deletes verified checkpoints older than the newest
+``keep_last`` verified ones (a corrupt one never takes a slot, and is left to inspect). A process killed at
 any moment therefore leaves the previous checkpoints untouched, and one whose manifest is missing or does not match
 its files is skipped with a warning, never loaded. All ranks must reach the same directory (a shared filesystem,
 which DeepSpeed's own resume of sharded optimizer states needs anyway).
+
+Trust: this module writes and reads its own state only as JSON and safetensors, which cannot execute code when
+loaded (a checkpoint of the older pickle format is read with ``torch.load(weights_only=True)``). The engines' own
+files under ``deepspeed/`` (or ``<name>/``) are DeepSpeed's pickles, which DeepSpeed 0.19 reads with
+``torch.load(weights_only=False)``; :func:`load` swaps that for ``weights_only=True`` allowing only the plain
+types of :data:`DEEPSPEED_GLOBALS`. What still needs trust is listed in the README.
 """
 
 from __future__ import annotations
@@ -26,16 +34,23 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import numpy as np
+import safetensors.torch
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from torch import nn
 
 from distill_kit.engines import distributed
@@ -49,8 +64,15 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_TAG = "deepspeed"
 RUN_IDENTITY = "run_identity.json"
-FORMAT = 1
+FORMAT = 2
+"""2: each rank's state as JSON + safetensors. 1: as a pickle (``rank*.pt``), read only with weights_only."""
+TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
+DEEPSPEED_GLOBALS: list[Any] = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
+"""What DeepSpeed 0.19's engine files hold besides tensors and containers (its ZeRO optimizer states: a loss-scaler
+record, the address of each parameter fragment, the ZeRO stage): plain data types, so that :func:`load` reads the
+engines' files with ``torch.load(weights_only=True)`` allowing only these. A file that needs another type is
+refused, naming it; a type you know to be plain data can be appended here."""
 Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
 """One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
 
@@ -59,15 +81,16 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
+def _rank_file(rank: int, suffix: str = ".json") -> str:
+    return f"rank{rank:05d}{suffix}"
 
 
 def _by_folder(engines: Engines) -> dict[str, deepspeed.DeepSpeedEngine]:
     """Engines by the folder each is kept in; a folder may not take the name of a checkpoint's own files."""
     engines = dict(engines) if isinstance(engines, Mapping) else {DEEPSPEED_TAG: engines}
     clashing = [name for name in engines
-                if name in (MANIFEST, TRAINER_STATE) or (name.startswith("rank") and name.endswith(".pt"))]
+                if name in (MANIFEST, TRAINER_STATE) or (name.startswith("rank") and name.endswith((".pt", ".json",
+                                                                                              ".safetensors")))]
     if clashing:
         raise ValueError(f"models named {clashing} would clash with a checkpoint's own files; rename them")
     return engines
@@ -116,8 +139,15 @@ def _remove(path: Path) -> None:
 
 
 def capture_rng() -> dict[str, Any]:
-    """This rank's random generators: dropout masks and any sampling continue as if never interrupted."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This rank's random generators: dropout masks and any sampling continue as if never interrupted.
+
+    Plain values and tensors only (see :func:`_encode`), so that the state can be stored without pickle.
+    """
+    version, internal, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": [version, list(internal), gauss_next],
+             "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+             "torch": torch.get_rng_state()}
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         state["accelerator"] = accelerator.get_rng_state()
@@ -125,11 +155,68 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "accelerator" in state:
         get_accelerator().set_rng_state(state["accelerator"])
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    """``value`` as JSON, its tensors moved to ``tensors`` (and named in the JSON): no pickle, so nothing a
+    run directory holds can run code when it is read back. Tuples come back as lists."""
+    if torch.is_tensor(value):
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().cpu().contiguous()
+        return {TENSOR: name}
+    if isinstance(value, Mapping):
+        if not all(isinstance(key, str) for key in value):
+            raise TypeError(f"rank state {where or '.'}: keys must be strings to be stored as JSON")
+        return {key: _encode(item, tensors, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(item, tensors, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"rank state {where or '.'}: a {type(value).__name__} cannot be stored safely; "
+                    "keep rank states to JSON values and tensors")
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {TENSOR}:
+            return tensors[value[TENSOR]]
+        return {key: _decode(item, tensors) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_decode(item, tensors) for item in value]
+    return value
+
+
+def _write_rank_state(directory: Path, rank: int, state: Mapping[str, Any]) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = json.dumps(_encode(state, tensors, ""))
+    safetensors.torch.save_file(tensors, str(directory / _rank_file(rank, ".safetensors")))
+    (directory / _rank_file(rank)).write_text(encoded)
+
+
+def _read_rank_state(directory: Path, rank: int, format_: int) -> dict[str, Any]:
+    """This rank's state; a format-1 (pickle) one only through ``weights_only``, which runs no code."""
+    if format_ >= 2:
+        tensors = safetensors.torch.load_file(str(directory / _rank_file(rank, ".safetensors")))
+        return _decode(json.loads((directory / _rank_file(rank)).read_text()), tensors)
+    path = directory / _rank_file(rank, ".pt")
+    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct]
+    try:
+        with torch.serialization.safe_globals(numpy_state):
+            state = torch.load(path, weights_only=True)
+    except Exception as err:  # pickle raises many types; each means "not plain state"
+        raise ValueError(f"refusing {path}: it holds more than plain state and could run code when loaded "
+                         f"({str(err).splitlines()[0]}). Resume only checkpoints you trust; this one was not "
+                         "written by distill-kit as it is.") from None
+    return state
 
 
 def teacher_fingerprint(teacher: nn.Module) -> str:
@@ -185,18 +272,22 @@ def save(
     keep = False
     if distributed.is_main():
         directory.mkdir(parents=True, exist_ok=True)
-        for leftover in [*directory.glob(PARTIAL + "*"), *directory.glob(DELETING + "*")]:
-            shutil.rmtree(leftover)
+        remove_leftovers(directory)
         if final.exists():
             keep = verify(final) is None
             if not keep:
                 _remove(final)
     if distributed.broadcast_object(keep):
         return final
-    for folder, engine in engines.items():
-        engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
-    partial.mkdir(parents=True, exist_ok=True)
-    torch.save(dict(rank_state), partial / _rank_file(distributed.rank()))
+    try:
+        for folder, engine in engines.items():
+            engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
+        partial.mkdir(parents=True, exist_ok=True)
+        _write_rank_state(partial, distributed.rank(), rank_state)
+    except (OSError, RuntimeError) as err:  # DeepSpeed's C++ writer says only "basic_ios::clear: iostream error"
+        raise OSError(f"could not write checkpoint {partial}: {err}. {disk_space(directory)}; free space or "
+                      "choose another training.checkpoint_dir, then resume (--resume) from the last checkpoint "
+                      "(the unfinished one is cleared).") from err
     distributed.barrier()  # every rank's files are on disk
     if distributed.is_main():
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state))
@@ -209,20 +300,64 @@ def save(
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
         os.replace(partial, final)
         _fsync_dir(directory)
-        _prune(directory, keep_last)
+        _VERIFIED[str(final)] = _signature(final, manifest["files"])  # just hashed: no need to hash it again
+        _prune(directory, keep_last, written=final)
     distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet in place
     return final
 
 
-def _prune(directory: Path, keep_last: int) -> None:
-    """Delete complete checkpoints older than the newest ``keep_last``; incomplete ones are left to inspect."""
-    complete = sorted((p for p in directory.iterdir() if _step_of(p) is not None and (p / MANIFEST).is_file()),
-                      key=_step_of)
-    for old in complete[:-keep_last]:
-        _remove(old)
+def remove_leftovers(directory: str | Path) -> None:
+    """Delete what killed saves and deletes left (``.partial-*``, ``.deleting-*``): never loadable, and on a
+    full disk they take the space the next save needs. Call on rank 0 only, before writing."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for leftover in [*directory.glob(PARTIAL + "*"), *directory.glob(DELETING + "*")]:
+            logger.warning("removing %s: what a save or delete that did not finish left", leftover)
+            shutil.rmtree(leftover)
+
+
+def disk_space(directory: str | Path) -> str:
+    """How much space the disk holding ``directory`` (or its nearest existing parent) has left, in words."""
+    existing = Path(directory).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return f"{shutil.disk_usage(existing).free / 1e9:.2f} GB free on the disk of {existing}"
+
+
+def _prune(directory: Path, keep_last: int, written: Path) -> None:
+    """Delete verified checkpoints older than the newest ``keep_last`` verified ones.
+
+    Only a checkpoint whose files match its manifest takes one of the ``keep_last`` places or is deleted: a
+    corrupt one (it fails :func:`verify`) is never counted, so it cannot push out the checkpoint just written,
+    and is left to inspect with a warning. ``written`` (the checkpoint just saved) is never deleted, even when
+    checkpoints of later steps (of a run resumed from an earlier one) are on disk.
+    """
+    steps = sorted((p for p in directory.iterdir() if _step_of(p) is not None and (p / MANIFEST).is_file()),
+                   key=_step_of, reverse=True)
+    kept = 0
+    for path in steps:
+        reason = verify(path)
+        if reason is not None:
+            logger.warning("checkpoint %s is corrupt (%s): it is not counted among the %d kept, nor deleted",
+                           path, reason, keep_last)
+        elif kept < keep_last or path == written:
+            kept += 1
+        else:
+            _remove(path)
+            _VERIFIED.pop(str(path), None)
 
 
 # ---- finding and reading ---------------------------------------------------------------------------------
+
+
+_VERIFIED: dict[str, tuple] = {}
+"""Checkpoints this process hashed and found whole, with each file's size and modification time then: pruning
+re-verifies the kept checkpoints at every save, and re-hashing unchanged multi-GB files each time would be slow."""
+
+
+def _signature(path: Path, files: Mapping[str, Any]) -> tuple:
+    stats = [(path / relative).stat() for relative in sorted(files)]
+    return tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in stats) + ((path / MANIFEST).stat().st_mtime_ns,)
 
 
 def verify(path: str | Path) -> str | None:
@@ -241,9 +376,13 @@ def verify(path: str | Path) -> str | None:
             return f"{relative} is missing"
         if file.stat().st_size != expected["bytes"]:
             return f"{relative} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+    signature = _signature(path, files)
+    if _VERIFIED.get(str(path)) == signature:
+        return None
     for relative, expected in files.items():
         if _sha256(path / relative) != expected["sha256"]:
             return f"{relative} does not match its sha256 in the manifest"
+    _VERIFIED[str(path)] = signature
     return None
 
 
@@ -253,17 +392,33 @@ def latest_complete(directory: str | Path) -> Path | None:
     Incomplete or corrupt ones are skipped with a warning (never loaded), so a save killed half-way costs only
     the steps since the previous checkpoint.
     """
+    return find_latest(directory)[0]
+
+
+def find_latest(directory: str | Path) -> tuple[Path | None, list[str]]:
+    """:func:`latest_complete`, and why each newer checkpoint was skipped (``"<path>: <reason>"``)."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
+        return None, []
     for leftover in sorted(directory.glob(PARTIAL + "*")):
         logger.warning("ignoring %s: a save that did not finish", leftover)
+    skipped = []
     for path in sorted((p for p in directory.iterdir() if _step_of(p) is not None), key=_step_of, reverse=True):
         reason = verify(path)
         if reason is None:
-            return path
+            return path, skipped
         logger.warning("skipping checkpoint %s: %s", path, reason)
-    return None
+        skipped.append(f"{path}: {reason}")
+    return None, skipped
+
+
+def nothing_to_resume(directory: str | Path, skipped: list[str]) -> str:
+    """Why a resume from ``directory`` found no checkpoint to load, with what to do."""
+    if skipped:
+        return (f"no checkpoint in {directory} can be loaded: " + "; ".join(skipped) + ". Each is kept to inspect; "
+                "restore it from a copy, or start a new run in another output directory.")
+    return (f"there is no checkpoint to resume in {directory}. Check output_dir and training.checkpoint_dir "
+            "(they must be the stopped run's), or leave out --resume to start a new run.")
 
 
 def load(
@@ -295,13 +450,49 @@ def load(
             f"{distributed.world_size()}. Resume on {manifest['world_size']} ranks: each rank's data position "
             "and random generators are its own."
         )
-    for folder, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(str(path), tag=folder)
-        if loaded is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
+    problem = None
+    try:  # before any engine loads: a refused state file must leave the engines untouched
+        rank_state = _read_rank_state(path, distributed.rank(), manifest.get("format", 1))
+    except Exception as err:  # JSON, safetensors and pickle raise many types; each means "cannot use it"
+        problem = str(err) if isinstance(err, ValueError) else f"cannot read this rank's state in {path}: {err}"
+    problems = [p for p in distributed.all_gather_object(problem) if p is not None]
+    if problems:  # every rank stops together, none is left waiting in the engines' collectives
+        raise ValueError(problems[0])
+    with _weights_only(engines.values()):
+        for folder, engine in engines.items():
+            loaded, _ = engine.load_checkpoint(str(path), tag=folder)
+            if loaded is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
-    rank_state = torch.load(path / _rank_file(distributed.rank()), weights_only=False)
     return trainer_state, rank_state
+
+
+def _load_weights_only(path: str, map_location: Any = None) -> Any:
+    """DeepSpeed's ``TorchCheckpointEngine.load``, without pickle's power to run code (see DEEPSPEED_GLOBALS)."""
+    try:
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"refusing DeepSpeed checkpoint file {path}: it holds more than tensors and plain data, and loading it "
+            f"could run code ({str(err).splitlines()[0]}). If you wrote it and the type it names is plain data, "
+            "append that type to distill_kit.training.checkpoint.DEEPSPEED_GLOBALS."
+        ) from None
+
+
+@contextmanager
+def _weights_only(engines: Iterable[Any]) -> Iterator[None]:
+    """While loading, the engines read their files through :func:`_load_weights_only` (DeepSpeed's own
+    ``TorchCheckpointEngine`` unpickles them with ``weights_only=False``); other checkpoint engines are left."""
+    patched = [e.checkpoint_engine for e in engines
+               if isinstance(getattr(e, "checkpoint_engine", None), TorchCheckpointEngine)]
+    for checkpoint_engine in patched:
+        checkpoint_engine.load = _load_weights_only
+    try:
+        yield
+    finally:
+        for checkpoint_engine in patched:
+            del checkpoint_engine.load
 
 
 # ---- the output directory --------------------------------------------------------------------------------
@@ -317,13 +508,16 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool) -> None:
+def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool,
+                     record: bool = True) -> None:
     """Refuse an output directory that holds another run; record this run's identity in a new one.
 
     ``run_identity`` is what must not change across a resume (e.g. the run config without logging settings);
     it is stored as ``run_identity.json``. A directory with the same identity is accepted when resuming, and
     also when not resuming as long as it holds no checkpoint (starting over would mix two runs' checkpoints).
-    Call it on rank 0 before training, then barrier.
+    ``resume`` in a directory that holds no run is an error (it would start a new run where the user meant to
+    continue one). With ``record=False`` nothing is written (a check before any work). Call it on rank 0 before
+    training, then barrier.
     """
     directory = Path(directory)
     identity = json.loads(json.dumps(run_identity, default=str))  # as it will read back from disk
@@ -343,10 +537,17 @@ def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, 
                 "new output directory to start over."
             )
         return
+    if resume:
+        raise ValueError(
+            f"--resume: output directory {directory} holds no run to resume (no {RUN_IDENTITY}). Give the stopped "
+            "run's output_dir, or leave out --resume to start a new run."
+        )
     if directory.is_dir() and any(directory.iterdir()):
         raise ValueError(
             f"output directory {directory} is not empty and holds no {RUN_IDENTITY}: it is not a distill-kit run. "
             "Choose an empty or new output directory."
         )
+    if not record:
+        return
     directory.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))

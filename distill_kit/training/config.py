@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 DType = Literal["fp32", "bf16", "fp16"]
+LRSchedule = Literal["linear", "cosine", "constant"]
 
 
 @dataclass
@@ -26,6 +27,12 @@ class TrainingConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
+    """Steps of linear warm-up: step k of them uses lr * k / warmup_steps; 0 or 1 is the full lr at step 1."""
+    lr_schedule: LRSchedule = "linear"
+    """After warm-up: 'linear' or 'cosine' decay to min_lr_ratio * lr (reached just after the last step), or
+    'constant'. The run's, whatever the DeepSpeed config says: the lr of every step is in training/schedule.py."""
+    min_lr_ratio: float = 0.0
+    """Where the decay ends, as a fraction of lr; e.g. 0.1 with cosine for a decay to 10%."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
     dtype: DType = "fp32"
@@ -48,6 +55,8 @@ class TrainingConfig:
             "gradient_accumulation_steps": self.gradient_accumulation_steps >= 1,
             "lr": self.lr > 0,
             "warmup_steps": self.warmup_steps >= 0,
+            "lr_schedule": self.lr_schedule in ("linear", "cosine", "constant"),
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
             "max_grad_norm": self.max_grad_norm >= 0,
             "dtype": self.dtype in ("fp32", "bf16", "fp16"),
             "log_every": self.log_every >= 1,

@@ -33,7 +33,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from distill_kit.engines import distributed
-from distill_kit.training import checkpoint, nonfinite, preemption
+from distill_kit.training import checkpoint, nonfinite, preemption, schedule
 from distill_kit.training.config import TrainingConfig
 from losses import LossOutput
 from losses.base import valid_positions
@@ -93,6 +93,7 @@ class Trainer:
         engines = self.engines()
         for engine in engines.values():
             engine.train()
+            schedule.resync(engine)  # a resumed run may have a new max_steps: the next step's lr is the schedule's
         self.stopped_by = None
         first = len(self.history)
         micro_batches = self._micro_batches(batches)
@@ -105,6 +106,8 @@ class Trainer:
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)
                 started = time.perf_counter()
+                # The lr this step uses: read before the engines step, which moves each to the next step's.
+                lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
                 sums: dict[str, torch.Tensor] = {}
                 for batch in step_batches:
                     for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
@@ -112,9 +115,7 @@ class Trainer:
                             key = _key(name, part)
                             sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
-                record = dict(zip(sums, means.tolist(), strict=True)) | {
-                    _key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()
-                }
+                record = dict(zip(sums, means.tolist(), strict=True)) | lrs
                 applied = self.nonfinite.all_or_none(
                     self.step + 1, {name: engine.was_step_applied() for name, engine in engines.items()}, record)
                 if self.nonfinite.counts(self.step + 1, record, applied):
@@ -187,13 +188,16 @@ class Trainer:
         """Load the latest complete checkpoint under ``directory`` (default ``training.checkpoint_dir``).
 
         Returns its path, or None when there is none yet (a fresh start). Incomplete or corrupt checkpoints are
-        skipped with a warning; rank 0 chooses, so every rank loads the same one.
+        skipped with a warning; when every checkpoint there is, it raises rather than start again from step 0.
+        Rank 0 chooses, so every rank loads the same one.
         """
         directory = directory if directory is not None else self.training.checkpoint_dir
         if directory is None:
             raise ValueError("nothing to resume from: pass a directory to resume(), or set training.checkpoint_dir")
-        found = checkpoint.latest_complete(directory) if distributed.is_main() else None
-        found = distributed.broadcast_object(found)
+        found, skipped = checkpoint.find_latest(directory) if distributed.is_main() else (None, [])
+        found, skipped = distributed.broadcast_object((found, skipped))
+        if found is None and skipped:
+            raise ValueError(checkpoint.nothing_to_resume(directory, skipped))
         if found is not None:
             self._load(found)
         return found

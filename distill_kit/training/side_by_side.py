@@ -74,7 +74,7 @@ class SideBySide(Trainer):
         for spec in specs:
             loss, config = self.losses[spec.name], configs[spec.name]
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
-            self.models[spec.name] = build_student(model, loss, config)
+            self.models[spec.name] = build_student(model, loss, config, spec.training(self.training))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import deepspeed
@@ -27,12 +28,19 @@ from distill_kit.engines.deepspeed_config import load  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 STUDENT_CFG = load(ROOT / "configs/zero2_student.json")
 TEACHER_CFG = load(ROOT / "configs/zero3_teacher.json")
-CONSTANT_LR = {k: v for k, v in STUDENT_CFG.items() if k != "scheduler"}  # the reference loop has no scheduler
 FIXTURES = ROOT / "tests/fixtures"
 
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
                           lr=3e-3, weight_decay=0.01, max_grad_norm=0.5, log_every=100)
+# The documented schedule (training/schedule.py), written out by hand for STEPS = 4: the lr factor of each step.
+SCHEDULES = {
+    # warm-up 0 and 1 are the full lr at step 1; a linear decay reaches 0 just after the last step
+    "linear_warmup0": (dict(warmup_steps=0), [1.0, 0.75, 0.5, 0.25]),
+    "linear_warmup1": (dict(warmup_steps=1), [1.0, 0.75, 0.5, 0.25]),
+    # cosine to 10% after 2 warm-up steps: 0.1 + 0.9 * (1 + cos(pi * q)) / 2 at q = 1/3, 2/3
+    "cosine_warmup2": (dict(warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1), [0.5, 1.0, 0.775, 0.325]),
+}
 
 
 def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
@@ -41,14 +49,17 @@ def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
 
 
 
-def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int):
-    """The same distillation as a plain PyTorch loop over the union of every rank's micro-batches."""
+def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int, lrs: list[float]):
+    """The same distillation as a plain PyTorch loop over the union of every rank's micro-batches, step ``s``
+    at lr ``lrs[s]``."""
     student = GPT2LMHeadModel.from_pretrained(student_dir)
     teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
     opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
                             weight_decay=TRAINING.weight_decay)
     losses = []
     for s in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = lrs[s]
         step = all_batches[s * world * GAS:(s + 1) * world * GAS]
         total, tokens = 0.0, 0
         for b in step:
@@ -70,22 +81,28 @@ def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[di
 
 
 
-def equivalence(out: Path, name: str, student_cfg: dict, teacher_cfg: dict, pair: tuple[Path, Path]) -> Distiller:
-    """Distiller vs plain loop: same student parameters after STEPS steps, same per-step losses."""
+def equivalence(out: Path, name: str, student_cfg: dict, teacher_cfg: dict, pair: tuple[Path, Path],
+                schedule: str) -> Distiller:
+    """Distiller vs plain loop with the schedule written out: same student parameters after STEPS steps, same
+    per-step losses, and the logged lr of each step the one the plain loop used."""
     teacher_dir, student_dir = pair
     world = distributed.world_size()
+    settings, factors = SCHEDULES[schedule]
+    lrs = [TRAINING.lr * f for f in factors]
     all_batches = random_batches(STEPS * GAS * world, MBS, LENGTH, seed=7)
-    distiller = Distiller(student_dir, teacher_dir, training=TRAINING,
+    distiller = Distiller(student_dir, teacher_dir, training=replace(TRAINING, **settings),
                           student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
     history = distiller.train(rank_batches(all_batches, distributed.rank(), world))
     ours = gathered(distiller.student_model.parameters())
-    ref, ref_losses = reference_student(student_dir, teacher_dir, all_batches, world)
+    ref, ref_losses = reference_student(student_dir, teacher_dir, all_batches, world, lrs)
     initial = GPT2LMHeadModel.from_pretrained(student_dir).parameters()
     write(out, name, {
         "max_param_diff": max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True)),
         "max_param_change": max((a - b).abs().max().item() for a, b in zip(ref, initial, strict=True)),
         "losses": [h["loss"] for h in history],
         "ref_losses": ref_losses,
+        "logged_lrs": [h["lr"] for h in history],
+        "lrs": lrs,
         "student_zero3": all(hasattr(p, "ds_id") for p in distiller.student_model.parameters()),
         "teacher_is_engine": isinstance(distiller.teacher, deepspeed.DeepSpeedEngine),
     })
@@ -139,7 +156,8 @@ def persistence(out: Path, distiller: Distiller) -> None:
 def seed_configs(out: Path, pair: tuple[Path, Path]) -> None:
     """The seed document's two configs, verbatim (trailing commas, "auto", CPU-offloaded optimizer)."""
     teacher_dir, student_dir = pair
-    training = TrainingConfig(max_steps=3, micro_batch_size=1, lr=1e-3, warmup_steps=1, log_every=100)
+    training = TrainingConfig(max_steps=3, micro_batch_size=1, lr=1e-3, warmup_steps=1, lr_schedule="constant",
+                              log_every=100)  # the seed config's WarmupLR: warm-up, then constant
     distiller = Distiller(student_dir, teacher_dir, training=training,
                           student_ds_config=FIXTURES / "seed_zero2_config.json",
                           teacher_ds_config=FIXTURES / "seed_zero3_config.json")
@@ -191,17 +209,19 @@ def main() -> None:
     scenarios = sys.argv[2].split(",")
     distributed.init()
     pair = saved_pair(out)
-    zero3_student = copy.deepcopy(CONSTANT_LR) | {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+    zero3_student = copy.deepcopy(STUDENT_CFG) | {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
                                                    "stage3_param_persistence_threshold": "auto"}}
     zero0_teacher = {"zero_optimization": {"stage": 0}}
     if "zero2_zero3" in scenarios:
-        equivalence(out, "zero2_zero3", CONSTANT_LR, TEACHER_CFG, pair)
+        equivalence(out, "zero2_zero3", STUDENT_CFG, TEACHER_CFG, pair, "linear_warmup0")
     if "teacher_sharding" in scenarios:
         teacher_sharding(out, pair)
     if "zero3_zero3" in scenarios:
-        persistence(out, equivalence(out, "zero3_zero3", zero3_student, TEACHER_CFG, pair))
+        persistence(out, equivalence(out, "zero3_zero3", zero3_student, TEACHER_CFG, pair, "linear_warmup1"))
     if "zero2_zero0" in scenarios:
-        equivalence(out, "zero2_zero0", CONSTANT_LR, zero0_teacher, pair)
+        cosine = copy.deepcopy(STUDENT_CFG) | {"scheduler": {"type": "WarmupCosineLR", "params": {
+            "warmup_num_steps": "auto", "total_num_steps": "auto", "cos_min_ratio": 0.1, "warmup_type": "linear"}}}
+        equivalence(out, "zero2_zero0", cosine, zero0_teacher, pair, "cosine_warmup2")
     if "losses_and_hooks" in scenarios:
         losses_and_hooks(out, pair)
     if "seed_configs" in scenarios:

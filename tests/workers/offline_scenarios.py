@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_scenarios import CONSTANT_LR, GAS, LENGTH, MBS, STEPS, TRAINING, gathered, rank_batches  # noqa: E402
+from core_scenarios import GAS, LENGTH, MBS, STEPS, STUDENT_CFG, TRAINING, gathered, rank_batches  # noqa: E402
 from rank_results import saved_pair, write  # noqa: E402
 from tiny_models import VOCAB, random_batches  # noqa: E402
 
@@ -46,7 +46,7 @@ def blocks_of(batches: list[dict]) -> datasets.Dataset:
 
 
 def train(student: Path, teacher, batches: list[dict]) -> tuple[list[torch.Tensor], list[float], str]:
-    distiller = Distiller(student, teacher, loss=LOSS, training=TRAINING, student_ds_config=CONSTANT_LR)
+    distiller = Distiller(student, teacher, loss=LOSS, training=TRAINING, student_ds_config=STUDENT_CFG)
     history = distiller.train(batches)
     return gathered(distiller.student_model.parameters()), [h["loss"] for h in history], distiller.teacher_sha256
 
