@@ -74,6 +74,8 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
     loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is dropped before
     the engines are built; every rank measures importance on the same first training micro-batches.
     """
+    if all(s.init_from_teacher is None for s in config.students):
+        return {}
     built = distributed.broadcast_object([s.name for s in config.students
                                           if (Path(config.output_dir) / "init" / s.name / "config.json").is_file()])
     wanted = {s.name: s.init_from_teacher for s in config.students
