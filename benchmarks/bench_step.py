@@ -14,11 +14,18 @@ into phases (``phases.py``). Before the runs, on a clean device, it measures the
 against the naive float32 one (``loss_memory.py``). Results go to ``OUT/bench.json``, ``results.md`` and
 ``chart.png`` (``report.py``).
 
-GPU (2x H200; the second line is the headline run in RESULTS.md)::
+Before the runs it also measures the student's head + loss from hidden states: naive, chunked and fused
+(``loss_memory.measure_with_head``). Runs use plain HF kernels unless a run names ``liger`` or ``compile``, and
+the fused student head unless it names ``unfused``.
+
+GPU (2x H200; the second line is the headline run in RESULTS.md, the third the big-teacher pair, one process
+per run)::
 
     torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench
-    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --chunk-size 1024 \
-        --runs ours@32+bucket baseline@32+bucket upper@32+bucket
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/bench --chunk-size 1024 --warmup 2 --steps 6 \
+        --runs ours@16+bucket+liger baseline@16+bucket+liger ours@16+bucket+liger+unfused ours@32+bucket+liger
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --pair qwen2-72b-0.5b --loss-memory-shape 0 \
+        --chunk-size 1024 --out runs/b72_ours --runs ours@4+bucket+liger
 
 CPU smoke (what the test suite runs)::
 
@@ -77,6 +84,9 @@ LEVERS = {
     "persist": "ZeRO-3 parameter persistence threshold 2e6 (teacher k/v projections stay whole)",
     "eager": "eager attention instead of SDPA (flash) attention",
     "autozero3": "the configs' 'auto' ZeRO-3 sizes instead of --zero3",
+    "unfused": "training.fused_loss off: the student's full logits, then the chunked loss (the default before #12)",
+    "liger": "Liger-Kernel RoPE, RMSNorm and SwiGLU in teacher and student (training.*_kernels: liger)",
+    "compile": "torch.compile per decoder layer in teacher and student (training.*_kernels: compile)",
 }
 
 
@@ -152,10 +162,14 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
                               "micro_batch": run.micro_batch, "levers": list(run.levers)}
     if MODES[run.mode].teacher_stage < 3 and cuda:
         need = facts["teacher_params"] * pairs.TORCH_DTYPES[args.dtype].itemsize
-        if need > 0.5 * torch.cuda.get_device_properties(device).total_memory:
-            return result | {"status": f"skipped: a replicated teacher needs {need / GIB:.0f} GiB per GPU"}
+        total = torch.cuda.get_device_properties(device).total_memory
+        if need > total:
+            return result | {"status": f"out of memory (not attempted): a replicated teacher's weights alone "
+                                       f"need {need / GIB:.0f} GiB per GPU, the GPU has {total / GIB:.0f} GiB"}
+    kernels = next((lever for lever in ("liger", "compile") if lever in run.levers), "none")
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=run.micro_batch, dtype=args.dtype,
-                              lr=1e-5, log_every=10**9)
+                              lr=1e-5, log_every=10**9, fused_loss="unfused" not in run.levers,
+                              teacher_kernels=kernels, student_kernels=kernels)
     student_overrides, teacher_overrides = ds_overrides(run, args)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
         CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
@@ -200,6 +214,8 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
         "left_by_earlier_modes_gib": left_before / GIB,
         "attention": distiller.student_model.config._attn_implementation,
         "optimizer": type(distiller.student.optimizer.optimizer).__name__,
+        "fused_head": distiller.fused_head,
+        "kernels": kernels,
         "losses": [h["loss"] for h in history],
         **summary,
     }
@@ -252,13 +268,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[parse_setting("stage3_prefetch_bucket_size=5e8"),
                                  parse_setting("stage3_max_live_parameters=3e9")],
                         help="ZeRO-3 settings for every ZeRO-3 model, KEY=VALUE under zero_optimization")
-    parser.add_argument("--loss-memory-shape", default="8,2048", help="BATCH,LENGTH for the loss-memory measurement")
+    parser.add_argument("--loss-memory-shape", default="8,2048",
+                        help="BATCH,LENGTH for the loss-memory measurement; 0 skips it")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     parser.add_argument("--measured-tflops", type=float, default=790.0, help="bf16 matmul measured on an H200")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.runs = [parse_run(text, args.micro_batch) for text in args.runs]
     return args
+
+
+def loss_memory_rows(args: argparse.Namespace, pair: pairs.Pair, device: torch.device) -> tuple[Any, Any]:
+    """The logit loss on given logits (chunked vs naive), and the student's head + loss (chunked, fused, naive)."""
+    if args.loss_memory_shape == "0":
+        return None, None
+    batch, length = (int(x) for x in args.loss_memory_shape.split(","))
+    shape, dtype = (batch, length, pair.student.vocab_size), pairs.TORCH_DTYPES[args.dtype]
+    chunks = sorted({args.chunk_size, 1024}, reverse=True)
+
+    def loss(chunk: int):
+        return build_loss({"name": args.loss, "chunk_size": chunk})
+
+    memory = loss_memory.measure({f"ours_chunk{chunk}": loss(chunk) for chunk in chunks}, NaiveForwardKL(), shape,
+                                 device, dtype)
+    with_head = {"chunked_chunk1024": (loss(1024), False),
+                 **{f"fused_chunk{chunk}": (loss(chunk), True) for chunk in chunks}}
+    memory_head = loss_memory.measure_with_head(with_head, NaiveForwardKL(), shape, pair.student.hidden_size, device,
+                                                dtype)
+    return memory, memory_head
 
 
 def main() -> None:
@@ -268,13 +305,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     pair = pairs.PAIRS[args.pair]
     facts = model_facts(pair)
-    batch, length = (int(x) for x in args.loss_memory_shape.split(","))
-    chunks = sorted({args.chunk_size, 1024}, reverse=True)
-    memory = loss_memory.measure(
-        {f"ours_chunk{chunk}": build_loss({"name": args.loss, "chunk_size": chunk}) for chunk in chunks},
-        NaiveForwardKL(),
-        (batch, length, pair.student.vocab_size), device, pairs.TORCH_DTYPES[args.dtype],
-    )
+    memory, memory_head = loss_memory_rows(args, pair, device)
     result = {
         "meta": {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -295,15 +326,18 @@ def main() -> None:
             **facts,
         },
         "loss_memory": memory,
+        "loss_memory_head": memory_head,
         "runs": [],
     }
     for run in args.runs:
         try:
             result["runs"].append(measure(run, args, facts, device))
-        except torch.OutOfMemoryError:  # every rank runs the same shapes, so all of them land here together
+        except torch.OutOfMemoryError as err:  # every rank runs the same shapes, so all of them land here together
             result["runs"].append({"label": run.label, "mode": run.mode, "micro_batch": run.micro_batch,
-                                   "levers": list(run.levers), "status": "out of memory"})
-            gc.collect()
+                                   "levers": list(run.levers), "status": "out of memory",
+                                   "error": str(err).splitlines()[0][:300]})
+        gc.collect()  # outside the handler, once the failed run's frames are gone
+        if device.type == "cuda":
             torch.cuda.empty_cache()
         if distributed.is_main():  # after every run, so that a run cut short by a time limit keeps the others
             report.write_outputs(result, args.out)

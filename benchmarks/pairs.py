@@ -21,6 +21,7 @@ from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.models import TORCH_DTYPES, active_transformers_config
 
 QWEN2_VOCAB = 151_936
+QWEN2_72B_VOCAB = 152_064  # Qwen2-72B's embedding is padded past the tokenizer's 151,936 ids
 
 
 def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -45,6 +46,13 @@ PAIRS: dict[str, Pair] = {
         qwen2(3584, 18944, 28, 28, 4, QWEN2_VOCAB, tied=False),
         qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
         "Qwen2-7B-shaped teacher, Qwen2-0.5B-shaped student",
+    ),
+    # A teacher no single GPU holds with the student: Qwen2-72B's shape (72.7B parameters, 135 GiB in bf16),
+    # its vocabulary padded to 152,064 as the real one is (the losses cut it to the student's 151,936).
+    "qwen2-72b-0.5b": Pair(
+        qwen2(8192, 29568, 80, 64, 8, QWEN2_72B_VOCAB, tied=False),
+        qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
+        "Qwen2-72B-shaped teacher, Qwen2-0.5B-shaped student",
     ),
     # Qwen2-1.5B teacher for a quicker look at the same student.
     "qwen2-1.5b-0.5b": Pair(

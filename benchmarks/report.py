@@ -72,7 +72,7 @@ def markdown(result: dict[str, Any]) -> str:
     for label, ratio in ratios(result):
         lines.append(f"- {label} / baseline: **{ratio:.2f}x** tokens/s")
     memory = result["loss_memory"]
-    if memory["naive"]["peak_above_inputs_gib"] is not None:
+    if memory is not None and memory["naive"]["peak_above_inputs_gib"] is not None:
         lines.append(
             f"- Logit loss forward+backward, {memory['batch']}x{memory['length']} tokens, vocab {memory['vocab']:,}, "
             "peak memory above the bf16 logits (the bf16 student-logit gradient included): naive float32 "
@@ -80,6 +80,16 @@ def markdown(result: dict[str, Any]) -> str:
             + "; ".join(f"{name} {memory[name]['peak_above_inputs_gib']:.2f} GiB "
                         f"({memory[name]['seconds'] * 1e3:.0f} ms) = **{ratio:.0%} of naive**"
                         for name, ratio in memory["over_naive"].items())
+        )
+    head = result.get("loss_memory_head")
+    if head is not None and head["naive"]["peak_above_inputs_gib"] is not None:
+        lines.append(
+            f"- Student head + logit loss forward+backward from {head['batch']}x{head['length']} final hidden states "
+            f"(width {head['hidden']}), peak memory above the inputs: naive float32 (full logits) "
+            f"{head['naive']['peak_above_inputs_gib']:.2f} GiB ({head['naive']['seconds'] * 1e3:.0f} ms); "
+            + "; ".join(f"{name} {head[name]['peak_above_inputs_gib']:.2f} GiB "
+                        f"({head[name]['seconds'] * 1e3:.0f} ms) = **{ratio:.1%} of naive**"
+                        for name, ratio in head["over_naive"].items())
         )
     return "\n".join(lines) + "\n"
 

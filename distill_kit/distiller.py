@@ -14,6 +14,7 @@ The loop around the step (accumulation, records, checkpoints and resume, signals
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines import deepspeed_config, distributed, kernels, models
 from distill_kit.engines.build import build_student, build_teacher
+from distill_kit.engines.head import why_not_fused
 from distill_kit.engines.models import ModelSource
 from distill_kit.run import evaluation
 from distill_kit.training import nonfinite
@@ -72,15 +74,25 @@ class Distiller(Trainer):
             loss, **{f"student_{k}": v for k, v in student_facts.items()},
             **{f"teacher_{k}": v for k, v in teacher_facts.items()},
         )
+        kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
+        kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         need_attentions = self.loss.needs_attentions
         teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
+        if shared_teacher is None:
+            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
+        kernels.apply(student_model, self.training.student_kernels, "training.student_kernels")
         check_vocabularies(student_model, teacher_model)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
         self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
+        unfused = why_not_fused(student_model, self.loss, self.student_ds_config, self.training.fused_loss)
+        if unfused and self.training.fused_loss and distributed.is_main():
+            logging.getLogger(__name__).info("student logits materialised in full: %s", unfused)
+        self.fused_head = unfused is None
+        """The student runs without its output head; logit losses apply it chunk by chunk (``losses/fused.py``)."""
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
@@ -99,7 +111,8 @@ class Distiller(Trainer):
             return self.teacher(**self.model_inputs(batch))
 
     def student_forward(self, batch: Batch) -> Any:
-        return self.student(**self.model_inputs(batch))
+        """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
+        return self.student(**self.model_inputs(batch), head=not self.fused_head)
 
     def compute_loss(self, student_out: Any, teacher_out: Any, batch: Batch) -> LossOutput:
         return self.loss(student_out, teacher_out, batch)

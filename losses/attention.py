@@ -45,6 +45,7 @@ class AttentionKL(DistillationLoss):
     """
 
     needs_attentions = True
+    needs_full_logits = False
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from losses.chunked import ChunkLoss, chunked_loss, dense_chunk_loss
+from losses.chunked import ChunkLoss, dense_chunk_loss
+from losses.fused import logit_loss_sum
 from losses.sparse import SparseTeacherLogits, top_k_chunk_loss
 
 IGNORE_INDEX = -100
@@ -69,6 +70,10 @@ class DistillationLoss(nn.Module):
 
     needs_hidden_states: bool = False
     needs_attentions: bool = False
+    needs_full_logits: bool = True
+    """Whether the loss reads the student's full ``logits``. When no term does, the Distiller runs the student
+    without its output head and logit losses compute the logits chunk by chunk with the loss (``losses/fused.py``);
+    a loss that reads ``logits`` anyway still gets them, computed in full. User losses are assumed to need them."""
     needs_teacher: bool = True
     """False when the teacher slot is never read as a teacher's outputs (cross-entropy on the labels; mutual
     learning, which reads peers there): only such losses train models that have no teacher."""
@@ -93,7 +98,12 @@ class LogitLoss(DistillationLoss):
 
     The teacher's ``logits`` may also be a captured teacher's top-k targets (:class:`SparseTeacherLogits`);
     then ``per_token`` gets rows over the k ids (``losses/sparse.py``), unless ``top_k_targets`` is False.
+
+    The student's outputs may be a :class:`~losses.fused.HeadOutput` (hidden states and the output head):
+    then the logits are computed chunk by chunk with the loss and never exist in full (``losses/fused.py``).
     """
+
+    needs_full_logits = False
 
     top_k_targets: bool = True
     """Whether ``per_token`` means the same on rows over a captured teacher's top k (any divergence does)."""
@@ -131,7 +141,7 @@ class LogitLoss(DistillationLoss):
         mask = valid_positions(batch)
         rows = mask.reshape(-1).nonzero().squeeze(1)
         chunk_loss = self.chunk_loss(teacher.logits, next_token_labels(batch).reshape(-1))
-        total = chunked_loss(student.logits.reshape(-1, student.logits.shape[-1]), rows, chunk_loss, self.chunk_size)
+        total = logit_loss_sum(student, rows, chunk_loss, self.chunk_size)
         if self.scale_by_t2:
             total = total * self.temperature**2
         loss = total / normalizer(batch, mask)

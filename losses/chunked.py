@@ -14,7 +14,9 @@ or a captured teacher's top-k log-probabilities (``losses/sparse.py``); the chun
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -22,8 +24,28 @@ from torch.autograd.function import once_differentiable
 from losses.functional import compute_dtype
 
 PerToken = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(student rows (c, Vs) in float32, their row indices (c,)) -> (c,)`` loss per token of one chunk."""
+
+
+@dataclass(frozen=True)
+class ChunkLoss:
+    """What a chunk of student rows is compared with, as ``rows_loss(student, *targets[chunk], **options)``.
+
+    ``targets`` are flat tensors indexed by row (a teacher's ``(N, Vt)`` logits, ``(N,)`` labels, ...; None
+    passes through) and ``options`` the loss's constants. Keeping the function, the per-row tensors and the
+    constants apart lets the fused head path (``losses/fused.py``) hand exactly one chunk's tensors to a
+    ``torch.compile``d step whose function and constants stay the same from step to step (no recompiles).
+    Called as ``chunk_loss(student (c, Vs) float32, chunk (c,) row indices) -> (c,)`` loss per token.
+    """
+
+    rows_loss: Callable[..., torch.Tensor]
+    targets: tuple[torch.Tensor | None, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def select(self, chunk: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None if t is None else t[chunk] for t in self.targets)
+
+    def __call__(self, student: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        return self.rows_loss(student, *self.select(chunk), **self.options)
 
 
 class _ChunkedLogitLoss(torch.autograd.Function):
@@ -75,12 +97,13 @@ def dense_chunk_loss(per_token: PerToken, teacher_logits: torch.Tensor, labels: 
 
     Vocabularies are cut to the shorter of the two (a teacher padded past the real vocabulary).
     """
-    teacher_logits = teacher_logits.detach()
+    options = {"per_token": per_token, "temperature": temperature}
+    return ChunkLoss(dense_rows, (teacher_logits.detach(), labels), options)
 
-    def chunk_loss(student: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-        vocab = min(student.shape[-1], teacher_logits.shape[-1])
-        teacher = teacher_logits[chunk, :vocab].to(student.dtype)
-        return per_token(student[:, :vocab] / temperature, teacher / temperature, labels[chunk])
 
-    return chunk_loss
+def dense_rows(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *, per_token: PerToken,
+               temperature: float) -> torch.Tensor:
+    """One chunk: student ``(c, Vs)`` float32, teacher ``(c, Vt)`` logits, labels ``(c,)`` -> ``(c,)``."""
+    vocab = min(student.shape[-1], teacher.shape[-1])
+    return per_token(student[:, :vocab] / temperature, teacher[:, :vocab].to(student.dtype) / temperature, labels)
 

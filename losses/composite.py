@@ -45,6 +45,7 @@ class WeightedSum(DistillationLoss):
             self.weights[label] = float(weight)
         self.needs_hidden_states = any(loss.needs_hidden_states for loss in self.terms.values())
         self.needs_attentions = any(loss.needs_attentions for loss in self.terms.values())
+        self.needs_full_logits = any(loss.needs_full_logits for loss in self.terms.values())
         self.needs_teacher = any(loss.needs_teacher for loss in self.terms.values())
 
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:

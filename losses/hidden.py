@@ -47,6 +47,7 @@ class HiddenStateLoss(DistillationLoss):
     """
 
     needs_hidden_states = True
+    needs_full_logits = False
 
     def __init__(
         self,

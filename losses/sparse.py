@@ -50,13 +50,15 @@ def top_k_chunk_loss(per_token: PerToken, targets: SparseTeacherLogits, labels: 
             "tail_bucket=False to renormalise over the top k (exact at any temperature)."
         )
     k = targets.k
-    log_probs, ids = targets.log_probs.reshape(-1, k), targets.ids.reshape(-1, k)
     log_tail = None if targets.log_tail is None else targets.log_tail.reshape(-1)
+    return ChunkLoss(top_k_rows_loss, (targets.log_probs.reshape(-1, k), targets.ids.reshape(-1, k), log_tail, labels),
+                     {"per_token": per_token, "temperature": temperature})
 
-    def chunk_loss(student: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-        teacher = log_probs[chunk].to(student.dtype) / temperature
-        tail = None if log_tail is None else log_tail[chunk].to(student.dtype)
-        student_rows, teacher_rows = functional.top_k_rows(student / temperature, teacher, ids[chunk], tail)
-        return per_token(student_rows, teacher_rows, labels[chunk])
 
-    return chunk_loss
+def top_k_rows_loss(student: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor, log_tail: torch.Tensor | None,
+                    labels: torch.Tensor, *, per_token: PerToken, temperature: float) -> torch.Tensor:
+    """One chunk: student ``(c, Vs)`` float32 against the teacher's top-k ``(c, k)`` (and tail ``(c,)``)."""
+    teacher = log_probs.to(student.dtype) / temperature
+    tail = None if log_tail is None else log_tail.to(student.dtype)
+    student_rows, teacher_rows = functional.top_k_rows(student / temperature, teacher, ids, tail)
+    return per_token(student_rows, teacher_rows, labels)

@@ -9,6 +9,7 @@ import torch
 
 from losses import functional
 from losses.base import LogitLoss, LossOutput
+from losses.chunked import ChunkLoss
 
 
 class CrossEntropy(LogitLoss):
@@ -27,9 +28,24 @@ class CrossEntropy(LogitLoss):
         super().__init__(temperature=1.0, scale_by_t2=False, chunk_size=chunk_size)
 
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
-        # The labels are the target, so the teacher slot is never read: the student's own logits stand in,
-        # and a model trained without a teacher (side by side, or a no-teacher baseline) can use this loss.
-        return super().forward(student, student, batch)
+        # The labels are the target, so the teacher slot is never read, and a model trained without a teacher
+        # (side by side, or a no-teacher baseline) can use this loss.
+        return super().forward(student, _NO_TEACHER, batch)
+
+    def chunk_loss(self, teacher_logits: Any, labels: torch.Tensor) -> ChunkLoss:
+        return ChunkLoss(label_rows, (labels,))
 
     def per_token(self, student_logits, teacher_logits, labels) -> torch.Tensor:
         return functional.cross_entropy(student_logits, labels)
+
+
+def label_rows(student: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One chunk: student ``(c, V)`` float32 logits, labels ``(c,)`` -> ``(c,)`` cross-entropy."""
+    return functional.cross_entropy(student, labels)
+
+
+class _NoTeacher:
+    logits = None
+
+
+_NO_TEACHER = _NoTeacher()

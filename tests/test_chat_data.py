@@ -101,6 +101,20 @@ def test_generation_markers_agree_with_rendering_prefixes(tokenizer, template, c
     assert "markers count tokens" not in caplog.text
 
 
+def test_markers_that_disagree_with_the_conversation_are_used_and_reported(tokenizer, caplog):
+    """Markers around the content only (not <|im_end|>): they win, and the first records' check says so."""
+    text = chat.resolve_template(tokenizer, "chatml").replace(
+        "{%- generation %}{{- message['content'] + '<|im_end|>\\n' }}{%- endgeneration %}",
+        "{%- generation %}{{- message['content'] }}{%- endgeneration %}{{- '<|im_end|>\\n' }}")
+    encoder = chat.ChatEncoder(tokenizer, text)
+    ids, labels = encoder.encode([Q1, A1], "data.jsonl: record 0", check=True)
+    assert [label for label in labels if label != N] == _enc(tokenizer, A1["content"])
+    assert "data.jsonl: record 0: the template's {% generation %} markers count tokens" in caplog.text
+    caplog.clear()
+    encoder.encode([Q1, A1], "data.jsonl: record 9")  # past the checked records: no second rendering
+    assert caplog.text == ""
+
+
 def test_the_embedded_default_tokenizer_counts_exactly_the_assistant_text():
     """No chat special tokens there: the markup is spelled in several tokens, the mask is still exact."""
     tok = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
@@ -132,6 +146,20 @@ def test_prompt_completion_records_and_prompts(tokenizer):
     # The completion's prompt is exactly the prompt record's tokens; a prompt-only row is its whole length.
     assert chat.prompt_lengths(batch).tolist() == [len(prompt_ids), len(prompt_ids)]
     assert full_ids[: len(prompt_ids)] == prompt_ids
+    two_turns, two_labels = encoder.encode([Q1, A1, Q2, A2], "r")
+    batch = chat.pad_rows([full_ids, two_turns, prompt_ids], [full_labels, two_labels, [N] * len(prompt_ids)], 0)
+    prompts = chat.left_padded_prompts(batch, pad_id=0)
+    assert prompts["input_ids"].shape == (3, len(prompt_ids))  # the first assistant turn starts every row's answer
+    assert prompts["input_ids"].tolist() == [prompt_ids] * 3 and prompts["attention_mask"].min() == 1
+    last = chat.ChatEncoder(tokenizer, encoder.template, "last").encode([Q1, A1, Q2, A2], "r")
+    batch = chat.pad_rows([prompt_ids, last[0]], [[N] * len(prompt_ids), last[1]], pad_id=0)
+    assert chat.prompt_lengths(batch).tolist() == [len(prompt_ids), len(encoder.encode([Q1, A1, Q2], "r")[0])]
+    prompts = chat.left_padded_prompts(batch, pad_id=0)
+    short = len(prompt_ids)
+    width = prompts["input_ids"].shape[1]
+    assert prompts["input_ids"][0].tolist() == [0] * (width - short) + prompt_ids
+    assert prompts["attention_mask"][0].tolist() == [0] * (width - short) + [1] * short
+    assert prompts["input_ids"][1].tolist() == encoder.encode([Q1, A1, Q2], "r")[0]
 
 
 def _dataset(lengths: list[int]):
@@ -194,7 +222,7 @@ def _write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def test_truncation_and_dropping_are_counted(tokenizer, tmp_path):
+def test_truncation_and_dropping_are_counted(tokenizer, tmp_path, caplog):
     long_answer = {"messages": [Q1, {"role": "assistant", "content": "x " * 200}]}
     long_prompt = {"prompt": "y " * 200, "completion": "z"}
     records = [{"messages": [Q1, A1]}, long_answer, long_prompt, {"prompt": "y " * 200}, {"prompt": "hi"}]
@@ -210,6 +238,9 @@ def test_truncation_and_dropping_are_counted(tokenizer, tmp_path):
     assert kept["input_ids"] == chat.ChatEncoder(tokenizer, chat.resolve_template(tokenizer, "chatml")).encode(
         chat.record_messages(long_answer, ""), "")[0][:64]
     assert stats.first_prompt == f"{train}: record 4 (line 5)"
+    stats.log("train", 64)
+    assert ("WARNING", "chat data train: 5 records, 1 prompts without an answer, 1 truncated to block_size 64, 2 "
+            "dropped") == (caplog.records[-1].levelname, caplog.records[-1].getMessage()[:96])
 
 
 def test_format_is_detected_from_the_records(tmp_path):
@@ -257,8 +288,17 @@ def test_chat_data_errors(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="has no chat template: set data.chat_template to one of the shipped "
                                           "templates \\(chatml, llama3\\)"):
         chat.build_splits(DataConfig(train=str(good), heldout=str(good)), default)
-    with pytest.raises(ConfigError, match="'vicuna' is neither a shipped template \\(chatml, llama3\\) nor"):
+    with pytest.raises(ConfigError, match="'vicuna' is neither a named template \\(shipped: chatml, llama3\\) nor"):
         chat.build_splits(DataConfig(train=str(good), heldout=str(good), chat_template="vicuna"), default)
+    # A tokenizer with several named templates: its default renders unless another is named.
+    named = AutoTokenizer.from_pretrained(DEFAULT_TOKENIZER)
+    named.chat_template = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}", "terse": "{{ 'x' }}"}
+    assert chat.resolve_template(named, None) == named.chat_template["default"]
+    assert chat.resolve_template(named, "terse") == "{{ 'x' }}"
+    assert chat.resolve_template(named, "chatml") == chat.resolve_template(default, "chatml")
+    with pytest.raises(ConfigError, match=re.escape("'vicuna' is neither a named template (the tokenizer's (default, "
+                                                    "terse), shipped: chatml, llama3) nor an existing .jinja file")):
+        chat.resolve_template(named, "vicuna")
     text = tmp_path / "plain.txt"
     text.write_text("hello")
     with pytest.raises(ConfigError, match="a plain-text file cannot hold chat records"):
@@ -272,6 +312,14 @@ def test_chat_data_errors(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match="record 0 \\(line 1\\): the chat template does not render message 1 as a "
                                           "continuation"):
         chat.build_splits(DataConfig(train=str(multi), heldout=str(multi), chat_template=str(hiding)), tokenizer)
+    # A template that refuses a conversation (Llama-2-style role checks) names the record and its reason.
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system messages, "
+                      "please') }}{% endif %}{{ m.content }}{% endfor %}")
+    with_system = _write_jsonl(tmp_path / "system.jsonl", [{"messages": [Q1, A1]}, {"messages": [SYSTEM, Q1, A1]}])
+    with pytest.raises(ConfigError, match="record 1 \\(line 2\\): the chat template cannot render this conversation: "
+                                          "no system messages, please"):
+        chat.build_splits(DataConfig(train=str(with_system), heldout=str(good), chat_template=str(strict)), tokenizer)
     # Only prompts, while the losses train on reference answers.
     prompts = _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hi"}, {"prompt": "ho"}])
     splits = chat.build_splits(DataConfig(train=str(prompts), heldout=str(good), chat_template="chatml"), tokenizer)
@@ -354,6 +402,23 @@ def test_cli_trains_on_chat_data(tiny_chat, tmp_path, ranks):
     for name in ("distilled", "no_teacher"):
         exported = _assistant_perplexity(out / "students" / name, tiny_chat["root"] / "heldout.jsonl")
         assert exported == pytest.approx(students[name]["perplexity"], rel=1e-4)
+    if ranks:
+        return
+    # Stopped after 2 steps and resumed: the same batches (the loader's position is checkpointed), the same run.
+    split = tmp_path / "resumed"
+    run_ranks(SCRIPT, [*_chat_args(tiny_chat, split), "training.max_steps=2"], nprocs=0)
+    run_ranks(SCRIPT, [*_chat_args(tiny_chat, split), "--resume"], nprocs=0)
+    losses = [[{k: v for k, v in r.items() if k.endswith("loss")} for r in _jsonl(run / "train.jsonl")]
+              for run in (out, split)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    for name in ("distilled", "no_teacher"):
+        whole = AutoModelForCausalLM.from_pretrained(out / "students" / name).state_dict()
+        resumed = AutoModelForCausalLM.from_pretrained(split / "students" / name).state_dict()
+        assert all(torch.equal(whole[key], resumed[key]) for key in whole)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_cli_refuses_a_dataset_of_prompts_before_training(tiny_chat, tmp_path):
@@ -368,3 +433,35 @@ def test_cli_refuses_a_dataset_of_prompts_before_training(tiny_chat, tmp_path):
            "record 0 (line 1))" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "init").exists()  # refused before any student was written
+
+
+def test_chat_loader_needs_one_global_batch():
+    with pytest.raises(ConfigError, match=re.escape("the data has 5 conversations but one global batch needs "
+                                                    "world_size (2) x micro_batch_size (4) = 8")):
+        chat.ChatLoader(_dataset([3] * 5), 4, pad_id=0, rank=0, world_size=2)
+
+
+def test_held_out_fraction_splits_the_records(tokenizer, tmp_path):
+    records = [{"messages": [Q1, {"role": "assistant", "content": str(i)}]} for i in range(18)] + [{"prompt": "hi"}] * 2
+    train = _write_jsonl(tmp_path / "train.jsonl", records)
+    config = DataConfig(train=str(train), heldout_fraction=0.25, chat_template="chatml", max_train_blocks=12)
+    splits = chat.build_splits(config, tokenizer)
+    assert (len(splits.train), len(splits.heldout)) == (12, 5)
+    assert set(splits.train["record"]).isdisjoint(splits.heldout["record"])
+    for name, split in (("train", splits.train), ("heldout", splits.heldout)):
+        stats = splits.stats[name]
+        assert stats.prompts == sum(c == 0 for c in split["counted"])
+        assert stats.counted_tokens == sum(sum(label != N for label in row) for row in split["labels"])
+
+
+def test_chat_settings_are_typed_and_documented_in_help():
+    text = run_config.help_text()
+    for key in ("data.format (default \"auto\")", "data.chat_template (default null)",
+                "data.assistant_turns (default \"all\")"):
+        assert key in text
+    config = run_config.load(None, ["data.format=chat", "data.assistant_turns=last", "data.chat_template=llama3"])
+    assert (config.data.format, config.data.assistant_turns, config.data.chat_template) == ("chat", "last", "llama3")
+    with pytest.raises(ConfigError, match="data.assistant_turns: 'first' is not one of \\['all', 'last'\\]"):
+        run_config.load(None, ["data.assistant_turns=first"])
+    with pytest.raises(ConfigError, match="data.format: 'sharegpt' is not one of \\['auto', 'text', 'chat'\\]"):
+        run_config.load(None, ["data.format=sharegpt"])

@@ -43,7 +43,8 @@ def test_teacher_runs_once_per_micro_batch(ranks):
         assert result["eval_keys"] == ["big", "small", "teacher"]
 
 
-GROUP_CHECKPOINT = ["big", "manifest.json", "rank00000.pt", "rank00001.pt", "small", "trainer_state.json",
+GROUP_CHECKPOINT = ["big", "manifest.json", "rank00000.json", "rank00000.safetensors", "rank00001.json",
+                    "rank00001.safetensors", "small", "trainer_state.json",
                     "zero_to_fp32.py", "zero_to_torch.py"]  # the last two: DeepSpeed's recovery scripts
 
 

@@ -77,12 +77,12 @@ class DataConfig:
     num_proc: int | None = None
     """Processes for tokenisation; None tokenises in this process."""
     format: Literal["auto", "text", "chat"] = "auto"
-    """text: raw documents (this module). chat: conversations with 'messages' or 'prompt'/'completion' fields,
-    rendered with a chat template, only assistant tokens counting (docs/chat.md). auto: chat exactly when the
-    first training record has a 'messages' or 'prompt' field."""
+    """text: raw documents, packed into blocks (blocks.py). chat: conversations with 'messages' or
+    'prompt'/'completion' fields, rendered with a chat template, only assistant tokens counting (docs/chat.md).
+    auto: chat exactly when the first training record has a 'messages' or 'prompt' field."""
     chat_template: str | None = None
-    """Chat data: a shipped template (chatml, llama3) or a .jinja file, used instead of the tokenizer's own
-    template (the teacher's, which both models share); None uses the tokenizer's."""
+    """Chat data: a template used instead of the tokenizer's own (the teacher's, which both models share): one of
+    the tokenizer's named templates, a shipped one (chatml, llama3) or a .jinja file; None uses the tokenizer's."""
     assistant_turns: Literal["all", "last"] = "all"
     """Chat data: which assistant messages of a conversation count in the loss; the others are context."""
 

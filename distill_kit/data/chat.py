@@ -13,7 +13,8 @@ micro-batch (rows are never packed together):
 
 The *prompt* of a row is everything before its first counted label (:func:`prompt_lengths`). A row with no
 counted label is *prompt-only*: its whole conversation is the prompt and ends with the template's generation
-prompt (the assistant header), ready for a model to answer.
+prompt (the assistant header), ready for a model to answer. :func:`left_padded_prompts` gives the prompts
+left-padded, as batched generation takes them.
 
 Records (one per JSON object of a ``.jsonl``/``.json``/``.parquet`` file):
 
@@ -60,6 +61,7 @@ from typing import Any
 import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from distill_kit.data.blocks import IGNORE_INDEX, DataConfig, LoaderPosition, _as_list, _check_rank, load_text
 from distill_kit.run.run_config import ConfigError
@@ -74,10 +76,6 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Records rendered both ways (markers and prefix diff) to check that they agree: enough to catch a template
 # whose markers sit elsewhere than the conversation's own structure says, cheap for any dataset.
 CHECKED_RECORDS = 8
-# Global batches per length group: rows are sorted by length inside groups of this many global batches, so
-# batches hold similar lengths while the shuffled order still mixes the whole dataset (as the Hugging Face
-# Trainer's length-grouped sampler does with its "megabatches" of 50).
-GROUP_BATCHES = 50
 # Records tokenised before they are moved into Arrow memory: bounds the Python lists held at once.
 CHUNK_RECORDS = 10_000
 FEATURES = datasets.Features({
@@ -160,10 +158,12 @@ def detect_format(config: DataConfig) -> str:
     if Path(first_file).suffix.lower() in (".txt", ".text"):
         return "text"
     try:
-        first = next(read_records(first_file), None)
-    except ConfigError:
-        return "text"  # not records at all: the text path reports what is wrong with the file
-    record = first[1] if first is not None else None
+        if Path(first_file).is_file():
+            record = next((record for _, record in read_records(first_file)), None)
+        else:  # a hub dataset: look at its first row without downloading it all
+            record = next(iter(load_text(first_file, streaming=True)), None)
+    except (ConfigError, FileNotFoundError, ValueError):
+        return "text"  # not records at all: the text path reports what is wrong with the data
     return "chat" if isinstance(record, Mapping) and any(key in record for key in CHAT_FIELDS) else "text"
 
 
@@ -220,23 +220,28 @@ def shipped_templates() -> list[str]:
 
 
 def resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
-    """The Jinja text to render with: ``data.chat_template`` (a shipped name or a file), else the tokenizer's."""
+    """The Jinja text to render with: ``data.chat_template`` if set, else the tokenizer's own (its ``default``
+    when it has several named ones). ``data.chat_template`` is, in this order, one of the tokenizer's named
+    templates, a shipped template (``templates/``), or a Jinja file."""
+    own = tokenizer.chat_template
+    named = dict(own) if isinstance(own, Mapping) else {}
     if chat_template is None:
-        own = tokenizer.chat_template
-        if isinstance(own, Mapping):  # several named templates: the default one renders conversations
-            own = own.get("default")
+        own = named.get("default") if named else own
         if not own:
             raise ConfigError(
                 f"the tokenizer ({tokenizer.name_or_path or type(tokenizer).__name__}) has no chat template: set "
                 f"data.chat_template to one of the shipped templates ({', '.join(shipped_templates())}) "
                 "or a .jinja file")
         return own
+    if chat_template in named:
+        return named[chat_template]
     if chat_template in shipped_templates():
         return (TEMPLATES_DIR / f"{chat_template}.jinja").read_text(encoding="utf-8")
     path = Path(chat_template)
     if not path.is_file():
-        raise ConfigError(f"data.chat_template: {chat_template!r} is neither a shipped template "
-                          f"({', '.join(shipped_templates())}) nor an existing .jinja file")
+        names = f"the tokenizer's ({', '.join(named)}), " if named else ""
+        raise ConfigError(f"data.chat_template: {chat_template!r} is neither a named template ({names}shipped: "
+                          f"{', '.join(shipped_templates())}) nor an existing .jinja file")
     return path.read_text(encoding="utf-8")
 
 
@@ -252,15 +257,20 @@ class ChatEncoder:
     def has_markers(self) -> bool:
         return GENERATION_MARKER.search(self.template) is not None
 
-    def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=True,
-            return_dict=True)["input_ids"])
+    def _apply(self, messages: list[Message], where: str, **kwargs: Any) -> Mapping[str, Any]:
+        """``apply_chat_template``; a template that refuses the conversation is an error naming the record."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
+                                                      return_dict=True, **kwargs)
+        except Exception as err:  # jinja's TemplateError from raise_exception(), and the tokenizer's ValueErrors
+            raise ConfigError(f"{where}: the chat template cannot render this conversation: {err}") from err
 
-    def marked_spans(self, messages: list[Message]) -> tuple[list[int], list[tuple[int, int]]]:
+    def render(self, messages: list[Message], generation_prompt: bool, where: str = "a conversation") -> list[int]:
+        return list(self._apply(messages, where, add_generation_prompt=generation_prompt)["input_ids"])
+
+    def marked_spans(self, messages: list[Message], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each assistant message's ``[start, end)`` from the template's generation markers."""
-        out = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=True,
-                                                 return_dict=True, return_assistant_tokens_mask=True)
+        out = self._apply(messages, where, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         spans, start = [], None
         for i, flag in enumerate([*mask, 0]):
@@ -273,13 +283,13 @@ class ChatEncoder:
 
     def prefix_spans(self, messages: list[Message], where: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each assistant message's ``[start, end)`` by rendering the conversation's prefixes."""
-        ids = self.render(messages, generation_prompt=False)
+        ids = self.render(messages, generation_prompt=False, where=where)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            before = self.render(messages[:i], generation_prompt=True)
-            through = self.render(messages[: i + 1], generation_prompt=False)
+            before = self.render(messages[:i], generation_prompt=True, where=where)
+            through = self.render(messages[: i + 1], generation_prompt=False, where=where)
             if through != ids[: len(through)] or before != through[: len(before)]:
                 raise ConfigError(
                     f"{where}: the chat template does not render message {i} as a continuation of the messages "
@@ -291,10 +301,10 @@ class ChatEncoder:
     def encode(self, messages: list[Message], where: str, check: bool = False) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one conversation; ``check`` also compares markers with prefix rendering."""
         if messages[-1]["role"] != ASSISTANT:  # a prompt: ends with the generation prompt, counts nothing
-            ids = self.render(messages, generation_prompt=True)
+            ids = self.render(messages, generation_prompt=True, where=where)
             return ids, [IGNORE_INDEX] * len(ids)
         if self.has_markers:
-            ids, spans = self.marked_spans(messages)
+            ids, spans = self.marked_spans(messages, where)
             if check:
                 self._compare(messages, where, ids, spans)
         else:
@@ -338,6 +348,11 @@ class ChatStats:
     """Tokens that count in the loss (labels not -100), over the kept records."""
     first_prompt: str | None = None
     """Where the first prompt record is, for errors."""
+
+    def log(self, name: str, block_size: int) -> None:
+        """One line for the run's log; a warning when records were cut or left out."""
+        level = logging.WARNING if self.truncated or self.dropped else logging.INFO
+        logger.log(level, self.describe(name, block_size))
 
     def describe(self, name: str, block_size: int) -> str:
         return (f"chat data {name}: {self.records} records, {self.prompts} prompts without an answer, "
@@ -467,12 +482,26 @@ def prompt_lengths(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(counted.any(dim=1), first, batch["attention_mask"].sum(dim=1))
 
 
+def left_padded_prompts(batch: Mapping[str, torch.Tensor], pad_id: int) -> Batch:
+    """Each row's prompt, left-padded to the longest prompt of the batch: the input of a batched ``generate``.
+
+    Returns ``input_ids`` and ``attention_mask`` of shape ``[B, P]``, ``P`` the longest of :func:`prompt_lengths`,
+    on the batch's device; row ``i`` ends with its prompt's last token (the generation prompt).
+    """
+    lengths = prompt_lengths(batch)
+    width = int(lengths.max())
+    source = torch.arange(width, device=lengths.device)[None, :] - (width - lengths)[:, None]
+    mask = source >= 0
+    ids = batch["input_ids"].gather(1, source.clamp(min=0)).masked_fill(~mask, pad_id)
+    return {"input_ids": ids, "attention_mask": mask.long()}
+
+
 class ChatLoader:
     """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
 
-    An epoch's order: the records in a random order (fixed by ``seed`` and the epoch; kept as is without
-    ``shuffle``), cut into groups of :data:`GROUP_BATCHES` global batches, each group sorted by length and cut
-    into global batches of ``world_size * micro_batch_size`` rows, then the whole global batches shuffled. Rank
+    An epoch's order (:meth:`epoch_order`): the records in a random order fixed by ``seed`` and the epoch, sorted
+    by length inside groups of up to 50 global batches of ``world_size * micro_batch_size`` rows, cut into global
+    batches, then the whole global batches shuffled. Rank
     ``r`` takes the ``r``-th slice of each global batch, as :class:`~distill_kit.data.blocks.BlockLoader` does.
     With ``drop_last`` (training) a last partial global batch is left out of the epoch (other rows each epoch);
     without it (evaluation) it is filled with one-token rows that count nothing, so every rank still runs it.
@@ -503,15 +532,16 @@ class ChatLoader:
         return self.num_batches
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """Row indices of ``epoch``, global batch after global batch (a partial one last)."""
+        """Row indices of ``epoch``, global batch after global batch (a partial one last).
+
+        The length grouping is the Hugging Face Trainer's (``get_length_grouped_indices``: a random permutation,
+        sorted by length inside "megabatches" of up to 50 batches); its batches are then shuffled, so that
+        consecutive steps do not run from long to short. Without ``shuffle`` the order is the same every epoch.
+        """
         size = self.world_size * self.micro_batch_size
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist() if self.shuffle \
-            else list(range(len(self.lengths)))
-        batches = []
-        for start in range(0, len(order), size * GROUP_BATCHES):
-            group = sorted(order[start : start + size * GROUP_BATCHES], key=lambda i: -self.lengths[i])
-            batches += [group[i : i + size] for i in range(0, len(group), size)]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + (epoch if self.shuffle else 0))
+        order = get_length_grouped_indices(self.lengths, size, generator=generator)
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
         whole = [b for b in batches if len(b) == size]
         if self.shuffle:
             whole = [whole[i] for i in torch.randperm(len(whole), generator=generator).tolist()]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distill_kit.engines.deepspeed_config import zero_stage
+from distill_kit.engines.head import headless_forward
 from distill_kit.engines.models import TORCH_DTYPES
 from distill_kit.training import schedule
 from distill_kit.training.config import TrainingConfig
@@ -28,8 +29,9 @@ class StudentWithLoss(nn.Module):
         self.student = student
         self.loss = loss if any(True for _ in loss.parameters()) else None
 
-    def forward(self, **inputs: Any) -> Any:
-        return self.student(**inputs)
+    def forward(self, head: bool = True, **inputs: Any) -> Any:
+        """``head=False``: the body only, and the head handed to the loss (``engines/head.py``)."""
+        return self.student(**inputs) if head else headless_forward(self.student, **inputs)
 
 
 def build_student(

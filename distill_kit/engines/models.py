@@ -68,6 +68,11 @@ def facts(source: ModelSource) -> dict[str, int | None]:
     }
 
 
+def model_type(source: ModelSource) -> str | None:
+    """The architecture's name in its config (``qwen2``, ``gpt2``), for checks made before loading."""
+    return getattr(model_config(source), "model_type", None)
+
+
 def hidden_size(source: ModelSource) -> int | None:
     return facts(source)["hidden_size"]
 

@@ -160,7 +160,7 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
         if distributed.is_main():
             for name, stats in splits.stats.items():
-                logger.info(stats.describe(name, data_config.block_size))
+                stats.log(name, data_config.block_size)
         chat.require_answers(splits, "the students' losses")
         pad = chat.pad_id_of(tokenizer)
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from distill_kit.engines import kernels
+
 DType = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["linear", "cosine", "constant"]
 
@@ -47,6 +49,16 @@ class TrainingConfig:
     """Complete checkpoints kept; the oldest is deleted only once a newer one is complete."""
     max_bad_steps: int = 3
     """Non-finite (NaN/inf loss or gradient) steps in a row that stop the run; fewer are skipped and counted."""
+    teacher_kernels: kernels.Kernels = "auto"
+    """Faster kernels for the teacher (``distill_kit/engines/kernels.py``): liger (Liger-Kernel's RoPE, RMSNorm,
+    SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
+    on a GPU where Liger supports the architecture, else none."""
+    student_kernels: kernels.Kernels = "auto"
+    """The same choice for the student(s)."""
+    fused_loss: bool = True
+    """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
+    student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2
+    student of a known architecture, no loss that reads full logits); the run's log says when it is not."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -68,4 +80,6 @@ class TrainingConfig:
         if bad:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid training settings: {values}")
+        kernels.check(self.teacher_kernels, "teacher_kernels")
+        kernels.check(self.student_kernels, "student_kernels")
         self.betas = tuple(self.betas)

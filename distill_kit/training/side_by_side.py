@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from distill_kit.distiller import CONFIG_DIR, Batch
-from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines import deepspeed_config, distributed, kernels
 from distill_kit.engines import models as loading
 from distill_kit.engines.build import build_student
 from distill_kit.engines.deepspeed_config import TrainedConfig
@@ -74,6 +74,7 @@ class SideBySide(Trainer):
         for spec in specs:
             loss, config = self.losses[spec.name], configs[spec.name]
             model = loading.load(spec.model, config, self.training.dtype, loss.needs_attentions)
+            kernels.apply(model, self.training.student_kernels, "training.student_kernels")
             self.models[spec.name] = build_student(model, loss, config, spec.training(self.training))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
