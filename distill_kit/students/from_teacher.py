@@ -173,8 +173,8 @@ def check(config: FromTeacherConfig, teacher_config: PretrainedConfig) -> None:
 
 def _top(importance: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries, in their original order (ties to the lower index)."""
-    order = sorted(range(importance.numel()), key=lambda i: (-float(importance[i]), i))
-    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+    order = torch.sort(-importance.double(), stable=True).indices[:k]
+    return torch.sort(order).values
 
 
 def kept_heads(importance: torch.Tensor, teacher: Shape, student: Shape) -> tuple[torch.Tensor, torch.Tensor]:
