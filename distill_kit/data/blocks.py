@@ -378,13 +378,13 @@ class BlockLoader:
             raise KeyError(f"dataset lacks column(s) {missing}; build it with tokenize_to_blocks")
         global_batch = world_size * micro_batch_size
         if drop_last and len(dataset) < global_batch:
-            raise ValueError(
+            raise DataError(
                 f"the dataset has {len(dataset)} blocks but one global batch needs world_size ({world_size}) x "
                 f"micro_batch_size ({micro_batch_size}) = {global_batch}: use more data, a smaller "
                 f"micro-batch or block_size, or fewer ranks"
             )
         if len(dataset) == 0:
-            raise ValueError("the dataset has no blocks: check the data files and data.text_field")
+            raise DataError("the dataset has no blocks: check the data files and data.text_field")
         self.dataset = dataset.with_format(None)
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
@@ -482,7 +482,7 @@ class StreamingBlockLoader:
             group = list(itertools.islice(stream, global_batch))
             if len(group) < global_batch:
                 if index == 0 and start == 0:
-                    raise ValueError(
+                    raise DataError(
                         f"the stream holds fewer blocks than one global batch of world_size ({self.world_size}) x "
                         f"micro_batch_size ({self.micro_batch_size}): use more data or a smaller micro-batch"
                     )

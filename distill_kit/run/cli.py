@@ -302,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(config, resume=resume)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
+    except blocks.DataError as err:  # e.g. a stream with too few blocks, found once it is read
+        raise SystemExit(f"data error: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)
