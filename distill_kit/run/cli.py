@@ -15,16 +15,18 @@ from typing import Any
 
 import datasets
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
-from distill_kit.engines import distributed
+from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
 from distill_kit.run import report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint, preemption
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.student_spec import StudentSpec
@@ -47,12 +49,52 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
     return dataclasses.replace(config.data, train=str(splits.train), heldout=str(splits.heldout))
 
 
-def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
+def calibration_loader(train_loader):
+    """The training data as one unshuffled rank reads it: the same first micro-batches on every rank."""
+    extra = {"pad_id": train_loader.pad_id} if hasattr(train_loader, "pad_id") else {}  # chat data
+    return type(train_loader)(train_loader.dataset, train_loader.micro_batch_size, rank=0, world_size=1,
+                              shuffle=False, drop_last=False, **extra)
+
+
+def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
+    """The students built from the teacher's own weights (``init_from_teacher``) not built yet, by name, on every
+    rank (a resume reuses those in ``<output_dir>/init``).
+
+    ``validate`` checks every choice first (``check_cuts``), before any work. The teacher then loads once as the run
+    loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is dropped before
+    the engines are built; every rank measures importance on the same first training micro-batches.
+    """
+    if all(s.init_from_teacher is None for s in config.students):
+        return {}
+    built = distributed.broadcast_object([s.name for s in config.students
+                                          if (Path(config.output_dir) / "init" / s.name / "config.json").is_file()])
+    wanted = {s.name: s.init_from_teacher for s in config.students
+              if s.init_from_teacher is not None and s.name not in built}
+    if not wanted:
+        return {}
+    ds_config, problems = deepspeed_config.resolve(
+        deepspeed_config.load(config.teacher_ds_config), config.training, name="teacher DeepSpeed config",
+        hidden_size=models.hidden_size(config.teacher), world_size=distributed.world_size(),
+        overrides=config.teacher_ds_overrides)
+    if problems:
+        raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+    ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
+    teacher = models.load(config.teacher, ds_config, config.training.dtype)
+    device = distributed.init()
+    if deepspeed_config.zero_stage(ds_config) != 3:
+        teacher.to(device)  # a replicated teacher: whole on every rank, as the run will hold it
+    calibration = calibration_loader(train_loader)
+    return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
+
+
+def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                    cut: nn.Module | None = None) -> StudentSpec:
     """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
     teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
-    with ``init`` overrides (checked by ``validate``; and the students' vocabulary) and saved, so that it loads
-    like any pretrained model: under its own ZeRO layout, and identically for every run that shares the seed. It
-    is written once (into a temporary folder, then renamed): a resume reuses it."""
+    with ``init`` overrides (checked by ``validate``; and the students' vocabulary), or ``cut`` (built from the
+    teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and
+    identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
+    a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
             "ds_overrides": student.ds_overrides}
     if student.model is not None:
@@ -73,7 +115,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
         torch.manual_seed(config.training.seed)
         partial = path.with_name(checkpoint.PARTIAL + path.name)
         shutil.rmtree(partial, ignore_errors=True)
-        AutoModelForCausalLM.from_config(model_config).save_pretrained(partial)
+        (cut if cut is not None else AutoModelForCausalLM.from_config(model_config)).save_pretrained(partial)
         partial.replace(path)
     distributed.barrier()
     return StudentSpec(model=str(path), **spec)
@@ -198,7 +240,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         if own is not None:
             own.save(out)
     distributed.barrier()
-    specs = [prepare_student(s, config, tokenizer) for s in config.students]
+    cut = cut_students(config, train_loader)
+    specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
     with _input_errors("DeepSpeed config"):
         students = MultiStudentDistiller(
             config.teacher, specs, training=config.training,
@@ -228,7 +271,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                  # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
                  "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
                                        "teacher": students.teacher_ds_config}}
-        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
+        inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
+                 for s in config.students}
+        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra, inits)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)
