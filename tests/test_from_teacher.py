@@ -16,7 +16,7 @@ from tiny_models import llama_config, qwen2_config, random_batches
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import cli, run_config
+from distill_kit.run import run_config, validate
 from distill_kit.run.run_config import ConfigError
 from distill_kit.students.from_teacher import (
     FromTeacherConfig,
@@ -239,6 +239,13 @@ def _args(root: Path, out: Path, students: str) -> list[str]:
             "training.micro_batch_size=2", "--students", students]
 
 
+def _check_cuts(config):
+    """The CLI's start-up check of every ``init_from_teacher``, as it reports problems."""
+    problems = validate.check_cuts(validate.Start(config, resume=False, identity={}))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 @pytest.mark.parametrize(("students", "message"), [
     ("[{name: a, init: {hidden_size: 8}, init_from_teacher: {every: 2}}]",
      "students[0]: init_from_teacher builds the student itself; drop model and init"),
@@ -250,7 +257,7 @@ def _args(root: Path, out: Path, students: str) -> list[str]:
 ])
 def test_bad_choices_in_a_run_config_are_config_errors(tiny_llama, tmp_path, students, message):
     with pytest.raises(ConfigError) as caught:
-        cli.check_cuts(run_config.load(None, _args(tiny_llama, tmp_path, students)))
+        _check_cuts(run_config.load(None, _args(tiny_llama, tmp_path, students)))
     assert message in str(caught.value)
 
 
@@ -259,7 +266,7 @@ def test_an_unsupported_teacher_is_a_config_error(tmp_path):
     config = run_config.load(None, [f"teacher={tmp_path / 'gpt2'}", "--students", "[{name: a, init_from_teacher: {}}]"])
     with pytest.raises(ConfigError, match=r"students\[a\].init_from_teacher: init_from_teacher supports teachers "
                                           r"of model_type \['llama', 'qwen2'\].*'gpt2'"):
-        cli.check_cuts(config)
+        _check_cuts(config)
 
 
 def test_the_cli_stops_on_a_bad_choice_before_any_work(tiny_llama, tmp_path):

@@ -267,7 +267,8 @@ def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None
 
 Check = Callable[[Start], list[str]]
 CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
-                       check_deepspeed_configs, check_checkpoint_disk, lambda start: student_tokenizer.config_problems(start.config)]
+                       check_deepspeed_configs, check_checkpoint_disk,
+                       lambda start: student_tokenizer.config_problems(start.config)]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
