@@ -24,8 +24,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed, peft_student
-from distill_kit.run import trackers
+from distill_kit.run import student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -159,6 +160,21 @@ def check_student_init(start: Start) -> list[str]:
     return problems
 
 
+def check_cuts(start: Start) -> list[str]:
+    """Every ``init_from_teacher`` checked against the teacher's config (architecture, layers, sizes)."""
+    teacher = start.model_config("teacher", start.config.teacher)
+    if teacher is None:
+        return []
+    problems = []
+    for student in start.config.students:
+        if student.init_from_teacher is not None:
+            try:
+                from_teacher.check(student.init_from_teacher, teacher)
+            except ValueError as err:
+                problems.append(f"students[{student.name}].init_from_teacher: {err}")
+    return problems
+
+
 def check_deepspeed_configs(start: Start) -> list[str]:
     """Every student's DeepSpeed config and the teacher's, filled and checked together as the engines will be."""
     config = start.config
@@ -271,8 +287,9 @@ def check_trackers(start: Start) -> list[str]:
 
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_data, check_deepspeed_configs,
-                       check_checkpoint_disk, check_peft, check_trackers]
+CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
+                       check_deepspeed_configs, check_checkpoint_disk,
+                       lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 

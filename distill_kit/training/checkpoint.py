@@ -218,7 +218,9 @@ def _read_rank_state(directory: Path, rank: int, format_: int) -> dict[str, Any]
         tensors = safetensors.torch.load_file(str(directory / _rank_file(rank, ".safetensors")))
         return _decode(json.loads((directory / _rank_file(rank)).read_text()), tensors)
     path = directory / _rank_file(rank, ".pt")
-    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct]
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 renamed the module
+    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
+                   (reconstruct, "numpy.core.multiarray._reconstruct")]  # as a numpy 1 pickle names it
     try:
         with torch.serialization.safe_globals(numpy_state):
             state = torch.load(path, weights_only=True)

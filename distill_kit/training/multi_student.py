@@ -55,7 +55,9 @@ class MultiStudentDistiller(Trainer):
         teacher_ds_overrides: Mapping[str, Any] | None = None,
         student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
+        vocab_map: Any = None,
     ):
+        """``vocab_map``: the students' tokenizer differs from the teacher's (see :class:`Distiller`)."""
         super().__init__(training)
         specs = student_specs(students)
         teacher_facts = models.facts(teacher)
@@ -76,7 +78,7 @@ class MultiStudentDistiller(Trainer):
         )
         losses: dict[str, DistillationLoss] = {spec.name: build_loss(
             spec.loss, **{f"student_{k}": v for k, v in student_facts[spec.name].items()},
-            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()}, vocab_map=vocab_map,
         ) for spec in specs}
         # The teacher loads first and once: it must never exist unsharded next to the students.
         need_attentions = any(loss.needs_attentions for loss in losses.values())
@@ -86,7 +88,7 @@ class MultiStudentDistiller(Trainer):
         self.students: dict[str, Distiller] = {
             spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,
                                  teacher_ds_overrides=teacher_ds_overrides, shared_teacher=self.teacher,
-                                 **requests[spec.name])
+                                 vocab_map=vocab_map, **requests[spec.name])
             for spec in specs
         }
 
@@ -94,7 +96,7 @@ class MultiStudentDistiller(Trainer):
 
     def teacher_forward(self, batch: Batch) -> Any:
         """The teacher once, with hidden states or attention maps when any student's loss needs them."""
-        requests = [student.model_inputs(batch) for student in self.students.values()]
+        requests = [student.teacher_inputs(batch) for student in self.students.values()]
         inputs = requests[0] | {flag: any(r[flag] for r in requests)
                                 for flag in ("output_hidden_states", "output_attentions")}
         with torch.no_grad():
