@@ -14,6 +14,7 @@ divergence here then takes unchanged: the math of each divergence stays written 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,24 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
     """log(w a + (1 - w) b) for 0 < w < 1, stable where either probability underflows."""
     return torch.logaddexp(log_a + math.log(weight_a), log_b + math.log1p(-weight_a))
+
+
+def mixture_logits(
+    teacher_logits: Sequence[torch.Tensor], weights: Sequence[float], temperature: float
+) -> torch.Tensor:
+    """``T log sum_k w_k softmax(z_k / T)`` for weights summing to 1: logits whose softmax at temperature ``T`` is
+    the weighted mixture of the teachers' tempered distributions (so any logit divergence can take it as the
+    teacher's). Teachers of weight 0 are left out, which is exact. Float32 (float64 passes through).
+    """
+    mixed = None
+    for logits, weight in zip(teacher_logits, weights, strict=True):
+        if weight == 0:
+            continue
+        term = F.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1) + math.log(weight)
+        mixed = term if mixed is None else torch.logaddexp(mixed, term)
+    if mixed is None:
+        raise ValueError("a mixture of teachers needs at least one weight > 0")
+    return mixed * temperature
 
 
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
     identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
     a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
-            "ds_overrides": student.ds_overrides}
+            "ds_overrides": student.ds_overrides, "peft": student.peft}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
             try:
@@ -122,7 +122,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
 
 
 # Settings that may change when a run is resumed; everything else must match the run in output_dir.
-RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "training.max_steps", "training.log_every",
+RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "report_to", "training.max_steps", "training.log_every",
                      "training.save_every", "training.keep_checkpoints", "training.checkpoint_dir")
 
 
@@ -251,7 +251,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         )
     if resume and students.resume() is None:  # validate found one; it went away since
         raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
-    log = RunLog(out, resumed_at=students.step if resume else None)
+    log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to,
+                 params=run_config.to_dict(config))
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from distill_kit.data.blocks import DataConfig
+from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.students.from_teacher import FromTeacherConfig
 from distill_kit.training.config import TrainingConfig
 
@@ -70,6 +71,9 @@ class StudentConfig:
     """This student's DeepSpeed config; None takes student_ds_config."""
     ds_overrides: dict[str, Any] = field(default_factory=dict)
     """Dotted DeepSpeed keys for this student only, over student_ds_overrides."""
+    peft: AdapterConfig | None = None
+    """LoRA adapters {r, alpha, dropout, target_modules, export_merged} trained on a frozen student (needs the
+    peft extra and a ZeRO-0/1/2 student); None trains every weight."""
     init_from_teacher: FromTeacherConfig | None = None
     """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
     activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""
@@ -130,6 +134,10 @@ class RunConfig:
     """Checkpoints, exported students, logs and the report go here; None: a new runs/<date>-<time>."""
     cache_dir: str = ".cache"
     """Prepared corpora and other one-time work, reused by later runs."""
+    report_to: tuple[str, ...] | None = None
+    """Trackers besides the JSON lines: any of tensorboard, wandb (offline unless WANDB_MODE is set), mlflow (a
+    local store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set); each needs its package. None:
+    TensorBoard when installed; []: none."""
 
 
 # ---- field documentation, from the docstrings under each field ------------------------------------------

@@ -66,6 +66,7 @@ class MultiStudentDistiller(Trainer):
             student_ds_config=spec.ds_config or student_ds_config,
             student_ds_overrides={**(student_ds_overrides or {}), **spec.ds_overrides},
             training=spec.training(self.training),
+            peft=spec.peft,
         ) for spec in specs}
         # Every student's config and the teacher's are checked together before anything loads.
         _, self.teacher_ds_config = deepspeed_config.prepare_group(
@@ -132,6 +133,8 @@ class MultiStudentDistiller(Trainer):
                 engine.train()
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
-        """Each bare student as a Hugging Face model directory, ``<directory>/<name>``."""
-        return {name: export.export_student(student.student_model, Path(directory) / name, tokenizer)
+        """Each bare student as a Hugging Face model directory, ``<directory>/<name>`` (a PEFT student's: its
+        adapter folder, and ``<name>/merged`` when its ``peft.export_merged`` asks)."""
+        return {name: export.export_student(student.student_model, Path(directory) / name, tokenizer,
+                                            merged=student.export_merged)
                 for name, student in self.students.items()}
