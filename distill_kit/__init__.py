@@ -7,12 +7,14 @@ model loading, engine building), ``training/`` (the loop, checkpoints, groups of
 """
 
 from distill_kit.distiller import Distiller
+from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.offline.captured_teacher import CapturedTeacher
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.on_policy import OnPolicyConfig
 from distill_kit.training.side_by_side import SideBySide
 from distill_kit.training.student_spec import StudentSpec
+from distill_kit.training.teachers import MultiTeacherDistiller, TeacherSpec
 
-__all__ = ["CapturedTeacher", "Distiller", "MultiStudentDistiller", "OnPolicyConfig", "SideBySide", "StudentSpec",
-           "TrainingConfig"]
+__all__ = ["AdapterConfig", "CapturedTeacher", "Distiller", "MultiStudentDistiller", "MultiTeacherDistiller",
+           "OnPolicyConfig", "SideBySide", "StudentSpec", "TeacherSpec", "TrainingConfig"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, kernels, models
+from distill_kit.engines import deepspeed_config, distributed, kernels, models, peft_student
 from distill_kit.engines.build import build_student, build_teacher
 from distill_kit.engines.head import why_not_fused
 from distill_kit.engines.models import ModelSource
@@ -57,9 +57,17 @@ class Distiller(Trainer):
         student_ds_overrides: Mapping[str, Any] | None = None,
         teacher_ds_overrides: Mapping[str, Any] | None = None,
         shared_teacher: nn.Module | None = None,
+        vocab_map: Any = None,
+        peft: peft_student.PeftSpec | None = None,
     ):
         """``shared_teacher`` is a teacher engine already built from ``teacher`` and ``teacher_ds_config``
-        (several students share one, see ``multi_student.py``): nothing is loaded for it again."""
+        (several students share one, see ``multi_student.py``): nothing is loaded for it again.
+
+        ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the two tokenizers differ: the
+        batches are paired blocks (``distill_kit/data/paired_blocks.py``) and the loss ``cross_tokenizer``
+        gets the map; the vocabularies are then not required to line up. ``peft`` (``{r, alpha, dropout,
+        target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters on a frozen student
+        instead of the whole student (``engines/peft_student.py``)."""
         super().__init__(training)
         student_facts, teacher_facts = models.facts(student), models.facts(teacher)
         self.student_ds_config, self.teacher_ds_config = deepspeed_config.prepare_pair(
@@ -74,8 +82,11 @@ class Distiller(Trainer):
         )
         self.loss: DistillationLoss = build_loss(
             loss, **{f"student_{k}": v for k, v in student_facts.items()},
-            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()}, vocab_map=vocab_map,
         )
+        adapters = (peft_student.check(peft, deepspeed_config.zero_stage(self.student_ds_config))
+                    if peft is not None else None)
+        self.export_merged = peft_student.wants_merged_export(peft)
         kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
         kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
@@ -86,7 +97,10 @@ class Distiller(Trainer):
         if shared_teacher is None:
             kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
         kernels.apply(student_model, self.training.student_kernels, "training.student_kernels")
-        check_vocabularies(student_model, teacher_model)
+        if vocab_map is None:
+            check_vocabularies(student_model, teacher_model)
+        if adapters is not None:
+            student_model = peft_student.wrap(student_model, adapters)
         self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
                         if shared_teacher is None else shared_teacher)
         self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
@@ -117,9 +131,16 @@ class Distiller(Trainer):
         ``training.on_policy.fraction`` > 0 a share of its rows become prompt + sample (``on_policy.py``)."""
         return self.sampler(batch)
 
+    def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The teacher reads its own tokens when its tokenizer differs (paired blocks carry ``teacher_input_ids``)."""
+        inputs = self.model_inputs(batch)
+        if "teacher_input_ids" in batch:
+            inputs |= {"input_ids": batch["teacher_input_ids"], "attention_mask": batch["teacher_attention_mask"]}
+        return inputs
+
     def teacher_forward(self, batch: Batch) -> Any:
         with torch.no_grad():
-            return self.teacher(**self.model_inputs(batch))
+            return self.teacher(**self.teacher_inputs(batch))
 
     def student_forward(self, batch: Batch) -> Any:
         """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
@@ -176,5 +197,7 @@ def check_vocabularies(student: nn.Module, teacher: nn.Module) -> None:
     if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
         raise ValueError(
             f"the student's vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): they "
-            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size."
+            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to distil "
+            "across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map=VocabMap."
+            "build(student_tokenizer, teacher_tokenizer)) (a run config: students[].tokenizer)."
         )

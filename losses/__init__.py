@@ -3,6 +3,7 @@
 from losses.attention import AttentionKL
 from losses.base import DistillationLoss, LogitLoss, LossOutput
 from losses.composite import WeightedSum
+from losses.cross_tokenizer import CrossTokenizer
 from losses.divergences import (
     ForwardKL,
     GeneralizedJSD,
@@ -21,6 +22,7 @@ __all__ = [
     "LOSSES",
     "AttentionKL",
     "CrossEntropy",
+    "CrossTokenizer",
     "DistillationLoss",
     "ForwardKL",
     "GeneralizedJSD",

@@ -14,6 +14,7 @@ divergence here then takes unchanged: the math of each divergence stays written 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,24 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
     """log(w a + (1 - w) b) for 0 < w < 1, stable where either probability underflows."""
     return torch.logaddexp(log_a + math.log(weight_a), log_b + math.log1p(-weight_a))
+
+
+def mixture_logits(
+    teacher_logits: Sequence[torch.Tensor], weights: Sequence[float], temperature: float
+) -> torch.Tensor:
+    """``T log sum_k w_k softmax(z_k / T)`` for weights summing to 1: logits whose softmax at temperature ``T`` is
+    the weighted mixture of the teachers' tempered distributions (so any logit divergence can take it as the
+    teacher's). Teachers of weight 0 are left out, which is exact. Float32 (float64 passes through).
+    """
+    mixed = None
+    for logits, weight in zip(teacher_logits, weights, strict=True):
+        if weight == 0:
+            continue
+        term = F.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1) + math.log(weight)
+        mixed = term if mixed is None else torch.logaddexp(mixed, term)
+    if mixed is None:
+        raise ValueError("a mixture of teachers needs at least one weight > 0")
+    return mixed * temperature
 
 
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -152,3 +171,105 @@ def top_k_rows(
     student = torch.cat([log_q.gather(-1, index), student_tail.clamp(min=IMPOSSIBLE)], dim=-1)
     teacher = torch.cat([teacher, teacher_log_tail.clamp(min=IMPOSSIBLE).unsqueeze(-1)], dim=-1)
     return student, teacher
+
+
+# ---- teacher and student with different tokenizers (losses/cross_tokenizer.py) ---------------------------
+
+
+def log1mexp(log_a: torch.Tensor) -> torch.Tensor:
+    """log(1 - a) from log a <= 0, accurate at both ends (Maechler 2012); log 0 is IMPOSSIBLE, not -inf."""
+    log_a = log_a.clamp(max=0.0)
+    out = torch.where(log_a > -math.log(2.0), torch.log(-torch.expm1(log_a)), torch.log1p(-torch.exp(log_a)))
+    return out.clamp(min=IMPOSSIBLE)
+
+
+def mapped_rows(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, student_ids: torch.Tensor, teacher_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher rows over the m token pairs of a vocabulary map plus one "unmapped" outcome.
+
+    ``student_logits`` (n, Vs), ``teacher_logits`` (n, Vt) rows that predict the same text; ``student_ids[i]``
+    and ``teacher_ids[i]`` (m,) are tokens that stand for the same text. Outcome i is that token; outcome m
+    is "a token the other vocabulary has not", with the log of the mass left outside the map on each side.
+    Returns log-probability rows (n, m + 1), for any divergence above. When the map covers both vocabularies
+    the last outcome is impossible on both sides and adds exactly 0: the divergence of the plain rows.
+    """
+    log_q = F.log_softmax(student_logits, dim=-1)
+    log_p = F.log_softmax(teacher_logits, dim=-1)
+
+    def rows(log_probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        outside = log_probs.index_fill(-1, ids, IMPOSSIBLE).logsumexp(-1, keepdim=True).clamp(min=IMPOSSIBLE)
+        return torch.cat([log_probs.index_select(-1, ids), outside], dim=-1)
+
+    return rows(log_q, student_ids), rows(log_p, teacher_ids)
+
+
+def sorted_l1(student_probs: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """ULD (Boizard et al. 2024): sum_i |q_(i) - p_(i)| over both rows sorted in decreasing order.
+
+    ``student_probs`` (n, a) and ``teacher_probs`` (n, b) are probabilities over outcomes that need not
+    correspond; the shorter row is padded with zeros. With rows of total mass 1 this is the closed form of
+    the Wasserstein-1 distance between the two distributions of probability values that ULD minimises: it
+    compares how confident each side is, whatever the tokens. Zero for two permutations of one row.
+    """
+    width = max(student_probs.shape[-1], teacher_probs.shape[-1])
+    student = F.pad(student_probs.sort(dim=-1, descending=True).values, (0, width - student_probs.shape[-1]))
+    teacher = F.pad(teacher_probs.sort(dim=-1, descending=True).values, (0, width - teacher_probs.shape[-1]))
+    return (student - teacher).abs().sum(-1)
+
+
+def exact_token_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_ids: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    student_unmapped: torch.Tensor,
+    teacher_unmapped: torch.Tensor,
+    bucket: bool = False,
+    unmapped_uld_weight: float = 0.0,
+) -> torch.Tensor:
+    """KL(p || q) over the tokens both vocabularies have, for two rows that predict the same text.
+
+    Where a token of one vocabulary is a token of the other (``student_ids[i]``, ``teacher_ids[i]``), their
+    probabilities are of the same event and are compared one to one. The mass on tokens without a counterpart
+    (``student_unmapped`` (a,), ``teacher_unmapped`` (b,) ids) is, with ``bucket`` False, left out: both sides
+    renormalised over the shared tokens, as :func:`top_k_rows` renormalises over a captured top k. With
+    ``bucket`` True it is one more outcome, "a token the other has not" (:func:`mapped_rows`), which pushes the
+    two unmapped masses together. ``unmapped_uld_weight`` adds ULD on the unmapped tokens' sorted probabilities
+    (GOLD's hybrid, TRL). With one tokenizer on both sides nothing is unmapped: forward KL exactly, either way.
+    """
+    if bucket:
+        student_rows, teacher_rows = mapped_rows(student_logits, teacher_logits, student_ids, teacher_ids)
+    else:  # log_softmax over a subset of the logits is the distribution renormalised over that subset
+        student_rows, teacher_rows = student_logits.index_select(-1, student_ids), teacher_logits.index_select(
+            -1, teacher_ids)
+    loss = forward_kl(student_rows, teacher_rows)
+    if unmapped_uld_weight and student_unmapped.numel() + teacher_unmapped.numel():
+        student_rest = F.softmax(student_logits, dim=-1).index_select(-1, student_unmapped)
+        teacher_rest = F.softmax(teacher_logits, dim=-1).index_select(-1, teacher_unmapped)
+        loss = loss + unmapped_uld_weight * sorted_l1(student_rest, teacher_rest)
+    return loss
+
+
+def span_divergence(student_logits: torch.Tensor, student_token: torch.Tensor,
+                    teacher_span_log_prob: torch.Tensor) -> torch.Tensor:
+    """KL between {the student's token, anything else} as the teacher and the student weigh them.
+
+    ``student_logits`` (n, V) predict a student token (``student_token`` (n,)) whose text the teacher splits
+    into several tokens; ``teacher_span_log_prob`` (n,) is the teacher's log-probability of that text, the sum
+    of its log-probabilities of those tokens (the chain rule: the teacher's probabilities merged to the
+    student's segmentation). Only that one outcome is known on the teacher's side, so the comparison is over
+    two outcomes; both rows are log-probabilities, the student's "else" a logsumexp of its other logits.
+    """
+    log_q = F.log_softmax(student_logits, dim=-1)
+    token = log_q.gather(-1, student_token.unsqueeze(-1))
+    rest = log_q.scatter(-1, student_token.unsqueeze(-1), IMPOSSIBLE).logsumexp(-1, keepdim=True)
+    teacher = teacher_span_log_prob.unsqueeze(-1).clamp(IMPOSSIBLE, 0.0)
+    student_rows = torch.cat([token, rest.clamp(min=IMPOSSIBLE)], dim=-1)
+    teacher_rows = torch.cat([teacher, log1mexp(teacher)], dim=-1)
+    return _kl(teacher_rows, student_rows)
+
+
+def uld(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """ULD on whole rows: :func:`sorted_l1` of ``softmax(student)`` (n, Vs) and ``softmax(teacher)`` (n, Vt)."""
+    return sorted_l1(F.softmax(student_logits, dim=-1), F.softmax(teacher_logits, dim=-1))

@@ -17,6 +17,7 @@ from typing import Any
 from losses.attention import AttentionKL
 from losses.base import DistillationLoss
 from losses.composite import WeightedSum
+from losses.cross_tokenizer import CrossTokenizer
 from losses.divergences import (
     ForwardKL,
     GeneralizedJSD,
@@ -43,6 +44,7 @@ LOSSES: dict[str, type[DistillationLoss]] = {
     "hidden_cosine": HiddenCosine,
     "attention_kl": AttentionKL,
     "mutual_kl": MutualKL,
+    "cross_tokenizer": CrossTokenizer,
 }
 
 LossSpec = str | Mapping[str, Any] | DistillationLoss | Sequence[Mapping[str, Any]]

@@ -17,6 +17,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_environment() -> dict[str, str]:
+    """This process's environment without the rendezvous variables a one-rank start in it may have set: a
+    child must pick its own port, not the one this process's group still listens on."""
+    return {key: value for key, value in os.environ.items() if key not in RENDEZVOUS}
+
+
 def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300,
               launcher: str = "torchrun") -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` ranks (``torchrun`` or ``deepspeed``), or plain ``python`` when ``nprocs`` is 0.
@@ -31,7 +40,7 @@ def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float =
                    f"--master_port={free_port()}", str(script), *args]
     else:
         command = [sys.executable, str(script), *args]
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = clean_environment() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:

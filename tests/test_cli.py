@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT, run_ranks
+from launch import ROOT, clean_environment, run_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from distill_kit.data import blocks
@@ -25,7 +25,8 @@ SCRIPT = ROOT / "scripts/distill.py"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=clean_environment())
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +249,17 @@ def test_a_checkpoint_disk_without_room_is_refused_naming_the_sizes(tiny, tmp_pa
     assert f"needs about {3 * each / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each" in problem
     monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each)
     assert validate.check_checkpoint_disk(start) == []
+
+
+def test_streaming_needs_held_out_files(tiny, tmp_path):
+    config = run_config.load(None, [*_run_args(tiny, tmp_path / "run"), "data.streaming=true", "data.heldout=null"])
+    start = validate.Start(cli.with_output_dir(config, resume=False), resume=False, identity={})
+    assert validate.check_data(start) == ["data.streaming needs data.heldout files: a stream cannot be split by "
+                                          "fraction"]
+
+
+def test_too_little_data_is_a_config_error_and_claims_nothing(tiny, tmp_path):
+    out = tmp_path / "run"
+    message = _main_error(*_run_args(tiny, out), "data.max_train_blocks=1")
+    assert "data: the dataset has 1 blocks but one global batch needs world_size (1) x micro_batch_size (2)" in message
+    assert not (out / "run_identity.json").exists()

@@ -40,3 +40,23 @@ def random_batches(count: int, batch: int, length: int, seed: int, vocab: int = 
         mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
         out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out
+
+
+def llama_config(**overrides):
+    """A tiny Llama (multi-head attention, tied embeddings), the embedded default teacher's architecture."""
+    from transformers import LlamaConfig
+
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaConfig(**(values | overrides))
+
+
+def qwen2_config(**overrides):
+    """A tiny Qwen2: grouped-query attention (2 query heads per key-value group), q/k/v biases, untied head."""
+    from transformers import Qwen2Config
+
+    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return Qwen2Config(**(values | overrides))

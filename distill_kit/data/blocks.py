@@ -290,8 +290,12 @@ def tokenize_to_blocks(
     return dataset.map(to_blocks, **kwargs)
 
 
-def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> DataSplits:
-    """Load, hold out, tokenise and (optionally) slice both splits as ``config`` says."""
+def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, tokenize=None) -> DataSplits:
+    """Load, hold out, tokenise and (optionally) slice both splits as ``config`` says.
+
+    ``tokenize`` replaces :func:`tokenize_to_blocks` (same arguments), e.g. the paired blocks of a teacher with
+    another tokenizer (``distill_kit/data/paired_blocks.py``)."""
+    tokenize = tokenize or tokenize_to_blocks
     train_text = load_text(config.train, streaming=config.streaming, text_field=config.text_field)
     if config.heldout is not None:
         heldout_text = load_text(config.heldout, streaming=config.streaming, text_field=config.text_field)
@@ -302,7 +306,7 @@ def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Data
         train_text, heldout_text = parts["train"], parts["test"]
 
     def blocks(text: datasets.Dataset | datasets.IterableDataset, limit: int | None, name: str, files: Any):
-        tokenised = tokenize_to_blocks(
+        tokenised = tokenize(
             text,
             tokenizer,
             block_size=config.block_size,
@@ -347,7 +351,8 @@ def _check_rank(rank: int, world_size: int, micro_batch_size: int) -> None:
 
 
 def _collate(rows: Mapping[str, Sequence[Sequence[int]]]) -> Batch:
-    return {name: torch.tensor(rows[name], dtype=torch.long) for name in BLOCK_COLUMNS}
+    """Every column of the blocks (more than :data:`BLOCK_COLUMNS` for paired blocks) as int64 tensors."""
+    return {name: torch.tensor(values, dtype=torch.long) for name, values in rows.items()}
 
 
 class BlockLoader:
@@ -378,13 +383,13 @@ class BlockLoader:
             raise KeyError(f"dataset lacks column(s) {missing}; build it with tokenize_to_blocks")
         global_batch = world_size * micro_batch_size
         if drop_last and len(dataset) < global_batch:
-            raise ValueError(
+            raise DataError(
                 f"the dataset has {len(dataset)} blocks but one global batch needs world_size ({world_size}) x "
                 f"micro_batch_size ({micro_batch_size}) = {global_batch}: use more data, a smaller "
                 f"micro-batch or block_size, or fewer ranks"
             )
         if len(dataset) == 0:
-            raise ValueError("the dataset has no blocks: check the data files and data.text_field")
+            raise DataError("the dataset has no blocks: check the data files and data.text_field")
         self.dataset = dataset.with_format(None)
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
@@ -405,21 +410,26 @@ class BlockLoader:
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
     def _filler(self, count: int) -> dict[str, list[list[int]]]:
-        """Blocks that run a normal forward (attention on) but carry no label."""
-        ids = self.dataset[0]["input_ids"]
-        return {"input_ids": [ids] * count, "attention_mask": [[1] * len(ids)] * count,
-                "labels": [[IGNORE_INDEX] * len(ids)] * count}
+        """Blocks that run a normal forward (attention on) but carry no label: copies of block 0, with every
+        ``*labels`` column (the teacher's too, in paired blocks) all -100."""
+        first = self.dataset[0]
+        row = {name: [IGNORE_INDEX] * len(values) if name.endswith("labels") else list(values)
+               for name, values in first.items()}
+        for name in ("attention_mask", "teacher_attention_mask"):
+            if name in row:
+                row[name] = [1] * len(row[name])
+        return {name: [values] * count for name, values in row.items()}
 
     def batch(self, epoch: int, index: int, order: Sequence[int] | None = None) -> Batch:
         """Micro-batch ``index`` of ``epoch`` for this rank."""
         order = self.epoch_order(epoch) if order is None else order
         start = (index * self.world_size + self.rank) * self.micro_batch_size
         chosen = list(order[start : start + self.micro_batch_size])
-        rows = self.dataset[chosen] if chosen else {name: [] for name in BLOCK_COLUMNS}
+        rows = self.dataset[chosen] if chosen else {name: [] for name in self.dataset.column_names}
         short = self.micro_batch_size - len(chosen)
         if short:
             filler = self._filler(short)
-            rows = {name: list(rows[name]) + filler[name] for name in BLOCK_COLUMNS}
+            rows = {name: list(rows[name]) + filler[name] for name in self.dataset.column_names}
         return _collate(rows)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -482,7 +492,7 @@ class StreamingBlockLoader:
             group = list(itertools.islice(stream, global_batch))
             if len(group) < global_batch:
                 if index == 0 and start == 0:
-                    raise ValueError(
+                    raise DataError(
                         f"the stream holds fewer blocks than one global batch of world_size ({self.world_size}) x "
                         f"micro_batch_size ({self.micro_batch_size}): use more data or a smaller micro-batch"
                     )
@@ -490,7 +500,7 @@ class StreamingBlockLoader:
             if index >= start:
                 rows = group[mine]
                 self.position = LoaderPosition(epoch, index + 1)
-                yield _collate({name: [row[name] for row in rows] for name in BLOCK_COLUMNS})
+                yield _collate({name: [row[name] for row in rows] for name in rows[0]})
             index += 1
         self.position = LoaderPosition(epoch + 1, 0)
 

@@ -21,8 +21,15 @@ EXACT_HEADS = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3"})
 """``model_type``s whose forward is ``logits = lm_head(last_hidden_state)``, read from their modeling code."""
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """A PEFT student's causal LM with its adapters injected in place (peft's ``get_base_model``): its body runs
+    them, while the ``PeftModel`` wrapper's own ``base_model`` would run the whole model, head included."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
 def why_not_fused(model: nn.Module, loss: Any, ds_config: Mapping[str, Any], enabled: bool) -> str | None:
     """None when the student may run headless with a fused logit loss; otherwise the reason, for the log."""
+    model = _unwrapped(model)
     if not enabled:
         return "training.fused_loss is off"
     if getattr(loss, "needs_full_logits", True):
@@ -41,6 +48,7 @@ def why_not_fused(model: nn.Module, loss: Any, ds_config: Mapping[str, Any], ena
 
 def headless_forward(model: nn.Module, **inputs: Any) -> HeadOutput:
     """The body's forward; the head is handed on, not applied."""
+    model = _unwrapped(model)
     out = model.base_model(**inputs)
     return HeadOutput(hidden=out.last_hidden_state, head=model.get_output_embeddings(),
                       hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))

@@ -97,6 +97,8 @@ def check_tokenizers(teacher_tokenizer: Any, student_tokenizer: Any) -> None:
             "teacher and student tokenizers differ: "
             f"teacher {getattr(teacher_tokenizer, 'name_or_path', '?')!r} ({len(teacher_tokenizer)} tokens), "
             f"student {getattr(student_tokenizer, 'name_or_path', '?')!r} ({len(student_tokenizer)} tokens). "
-            "Logit losses need the same tokenizer for both; train the student with the teacher's tokenizer."
+            "Logit losses need the same tokenizer for both: train the student with the teacher's tokenizer, or "
+            "distil across tokenizers with loss cross_tokenizer (run config: student_tokenizer: <the student's "
+            "tokenizer>; from Python: paired blocks and Distiller(..., vocab_map=...)), see docs/losses.md."
         )
 

@@ -15,16 +15,18 @@ from typing import Any
 
 import datasets
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
-from distill_kit.engines import distributed
+from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config, validate
+from distill_kit.run import report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint, preemption
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.student_spec import StudentSpec
@@ -47,32 +49,80 @@ def prepare_data(config: RunConfig) -> blocks.DataConfig:
     return dataclasses.replace(config.data, train=str(splits.train), heldout=str(splits.heldout))
 
 
-def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> StudentSpec:
-    """The student's spec. Its model is the given directory (tokenizer checked against the teacher's), or a
-    fresh one built from the teacher's config with ``init`` overrides (checked by ``validate``) and saved, so
-    that it loads like any pretrained model: under its own ZeRO layout, and identically for every run that shares
-    the seed. It is written once (into a temporary folder, then renamed): a resume reuses it."""
+def calibration_loader(train_loader):
+    """The training data as one unshuffled rank reads it: the same first micro-batches on every rank."""
+    extra = {"pad_id": train_loader.pad_id} if hasattr(train_loader, "pad_id") else {}  # chat data
+    return type(train_loader)(train_loader.dataset, train_loader.micro_batch_size, rank=0, world_size=1,
+                              shuffle=False, drop_last=False, **extra)
+
+
+def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
+    """The students built from the teacher's own weights (``init_from_teacher``) not built yet, by name, on every
+    rank (a resume reuses those in ``<output_dir>/init``).
+
+    ``validate`` checks every choice first (``check_cuts``), before any work. The teacher then loads once as the run
+    loads it (ZeRO-3 shards under the teacher's DeepSpeed config: never whole on one rank) and is dropped before
+    the engines are built; every rank measures importance on the same first training micro-batches.
+    """
+    if all(s.init_from_teacher is None for s in config.students):
+        return {}
+    built = distributed.broadcast_object([s.name for s in config.students
+                                          if (Path(config.output_dir) / "init" / s.name / "config.json").is_file()])
+    wanted = {s.name: s.init_from_teacher for s in config.students
+              if s.init_from_teacher is not None and s.name not in built}
+    if not wanted:
+        return {}
+    ds_config, problems = deepspeed_config.resolve(
+        deepspeed_config.load(config.teacher_ds_config), config.training, name="teacher DeepSpeed config",
+        hidden_size=models.hidden_size(config.teacher), world_size=distributed.world_size(),
+        overrides=config.teacher_ds_overrides)
+    if problems:
+        raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+    ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
+    teacher = models.load(config.teacher, ds_config, config.training.dtype)
+    device = distributed.init()
+    if deepspeed_config.zero_stage(ds_config) != 3:
+        teacher.to(device)  # a replicated teacher: whole on every rank, as the run will hold it
+    calibration = calibration_loader(train_loader)
+    return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
+
+
+def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                    cut: nn.Module | None = None) -> StudentSpec:
+    """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
+    teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
+    with ``init`` overrides (checked by ``validate``; and the students' vocabulary), or ``cut`` (built from the
+    teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and
+    identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
+    a resume reuses it."""
     spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
-            "ds_overrides": student.ds_overrides}
+            "ds_overrides": student.ds_overrides, "peft": student.peft}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
-            check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            try:
+                check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
+            except ValueError as err:
+                raise ConfigError(f"students[{student.name}].model: {err}") from None
         return StudentSpec(model=student.model, **spec)
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():
         model_config = AutoConfig.from_pretrained(config.teacher)
+        if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
+            model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                                 "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
+                                 "pad_token_id": tokenizer.pad_token_id})
         model_config.update(validate.student_init(student, model_config))
         torch.manual_seed(config.training.seed)
         partial = path.with_name(checkpoint.PARTIAL + path.name)
         shutil.rmtree(partial, ignore_errors=True)
-        AutoModelForCausalLM.from_config(model_config).save_pretrained(partial)
+        (cut if cut is not None else AutoModelForCausalLM.from_config(model_config)).save_pretrained(partial)
         partial.replace(path)
     distributed.barrier()
     return StudentSpec(model=str(path), **spec)
 
 
 # Settings that may change when a run is resumed; everything else must match the run in output_dir.
-RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "training.max_steps", "training.log_every",
+RESUMABLE_CHANGES = ("eval", "cache_dir", "output_dir", "report_to", "training.max_steps", "training.log_every",
                      "training.save_every", "training.keep_checkpoints", "training.checkpoint_dir")
 
 
@@ -100,11 +150,16 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
-def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase):
-    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``)."""
+def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  tokenize=None):
+    """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
+    ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks)."""
     rank, world = distributed.rank(), distributed.world_size()
     mbs, seed = config.training.micro_batch_size, config.training.seed
     if chat.detect_format(data_config) == "chat":
+        if tokenize is not None:
+            raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
+                              "template per tokenizer, aligned answers) is not supported yet")
         splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
         if distributed.is_main():
             for name, stats in splits.stats.items():
@@ -115,7 +170,7 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                 drop_last=False))
-    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer))
+    splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, tokenize))
     heldout = splits.heldout
     if data_config.streaming:  # train from the stream; its held-out split (max_heldout_blocks) is read into memory
         train = blocks.StreamingBlockLoader(splits.train, mbs, rank=rank, world_size=world, seed=seed)
@@ -179,21 +234,29 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     with _input_errors("data"):
         data_config = prepare_data(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-        train_loader, eval_loader = build_loaders(config, data_config, tokenizer)
+        own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
+        if own is not None:
+            tokenizer = own.tokenizer
+        train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
     if distributed.is_main():  # rank 0 claims the folder; validate found it fit
         checkpoint.check_output_dir(out, run_identity(config), resume=resume)
         checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
+        if own is not None:
+            own.save(out)
     distributed.barrier()
-    specs = [prepare_student(s, config, tokenizer) for s in config.students]
+    cut = cut_students(config, train_loader)
+    specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
     with _input_errors("DeepSpeed config"):
         students = MultiStudentDistiller(
             config.teacher, specs, training=config.training,
             teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
             student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+            vocab_map=own and own.vocab_map,
         )
     if resume and students.resume() is None:  # validate found one; it went away since
         raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
-    log = RunLog(out, resumed_at=students.step if resume else None)
+    log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to,
+                 params=run_config.to_dict(config))
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:
@@ -213,7 +276,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                  # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
                  "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
                                        "teacher": students.teacher_ds_config}}
-        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra)
+        inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
+                 for s in config.students}
+        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra, inits)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)
@@ -250,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(config, resume=resume)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
+    except blocks.DataError as err:  # e.g. a stream with too few blocks, found once it is read
+        raise SystemExit(f"data error: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)

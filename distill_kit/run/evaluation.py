@@ -5,6 +5,11 @@ teacher-student KL and both argmax tokens, gathers them from every rank, and let
 ``distill_kit/metrics`` turn them into perplexity, top-1 agreement and mean KL. The teacher runs once
 per batch however many students are evaluated; every rank must pass the same number of batches (the
 ZeRO-3 teacher's forward is a collective), which the data loaders guarantee.
+
+When the batches carry ``token_bytes`` (paired blocks, ``distill_kit/data/paired_blocks.py``), every model also
+gets held-out bits per byte, the measure that compares across tokenizers. With a teacher that has another
+tokenizer (``teacher_input_ids`` in the batch) each model's perplexity is over its own tokens, and top-1
+agreement and KL, which need one vocabulary, are left out.
 """
 
 from __future__ import annotations
@@ -53,6 +58,22 @@ def token_statistics(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return {k: torch.cat(v).cpu() if v else torch.empty(0) for k, v in out.items()}
 
 
+@torch.no_grad()
+def own_token_statistics(logits: torch.Tensor, batch: Mapping[str, Any], prefix: str = "") -> dict:
+    """NLL of each counted token under its own model, and the bytes of text it stands for (for bits per byte).
+
+    ``prefix`` "teacher_" reads the teacher's tokens of paired blocks; a model is then only judged on its own
+    tokens, which is all that compares across tokenizers.
+    """
+    own = {"labels": batch[f"{prefix}labels"], "input_ids": batch[f"{prefix}input_ids"]}
+    rows = valid_positions(own).reshape(-1).nonzero().squeeze(1)
+    labels, flat = next_token_labels(own).reshape(-1), logits.reshape(-1, logits.shape[-1])
+    following_bytes = torch.roll(batch[f"{prefix}token_bytes"], -1, dims=1).reshape(-1)
+    nll = [F.cross_entropy(flat.index_select(0, chunk).float(), labels.index_select(0, chunk), reduction="none")
+           for chunk in rows.split(CHUNK_TOKENS)]
+    return {"nll": torch.cat(nll).cpu() if nll else torch.empty(0), "bytes": following_bytes[rows].cpu()}
+
+
 def _gather(values: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor] | None:
     """Every rank's token statistics, concatenated on rank 0 (None elsewhere)."""
     local = {k: torch.cat(v) if v else torch.empty(0) for k, v in values.items()}
@@ -72,27 +93,44 @@ def evaluate_students(
 ) -> dict[str, dict[str, float]]:
     """``{"teacher": {...}, <student name>: {...}}`` on every rank: perplexity, nll, KL, top-1 agreement."""
     values: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in students}
-    teacher_nll: list[torch.Tensor] = []
+    teacher_values: dict[str, list[torch.Tensor]] = {}
     for batch in itertools.islice(batches, max_batches):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         teacher_logits = teacher_forward(batch).logits
+        paired = "teacher_input_ids" in batch  # another tokenizer: each model is judged on its own tokens only
         for name, forward in students.items():
-            stats = token_statistics(forward(batch).logits, teacher_logits, batch)
+            logits = forward(batch).logits
+            stats = {} if paired else token_statistics(logits, teacher_logits, batch)
+            if "token_bytes" in batch:
+                stats |= {f"student_{k}": v for k, v in own_token_statistics(logits, batch).items()}
             for key, tensor in stats.items():
                 values[name].setdefault(key, []).append(tensor)
-        teacher_nll.append(stats["teacher_nll"])
+        teacher_stats = {"teacher_nll": stats["teacher_nll"]} if not paired else {}
+        if "token_bytes" in batch:
+            prefix = "teacher_" if paired else ""
+            teacher_stats |= {f"teacher_{k}": v for k, v in own_token_statistics(teacher_logits, batch, prefix).items()}
+        for key, tensor in teacher_stats.items():
+            teacher_values.setdefault(key, []).append(tensor)
 
     report = None
     gathered = {name: _gather(v) for name, v in values.items()}
-    teacher = _gather({"teacher_nll": teacher_nll})
+    teacher = _gather(teacher_values)
     if distributed.is_main():
-        perplexity, agreement, kl = load_metric("perplexity"), load_metric("top1_agreement"), load_metric("mean_kl")
-        report = {"teacher": perplexity.compute(predictions=teacher["teacher_nll"].double().tolist())}
+        report = {"teacher": _own_metrics(teacher, "teacher")}
         for name, stats in gathered.items():
-            report[name] = (
-                perplexity.compute(predictions=stats["student_nll"].double().tolist())
-                | agreement.compute(predictions=stats["student_top1"].tolist(),
-                                    references=stats["teacher_top1"].tolist())
-                | kl.compute(predictions=stats["kl"].double().tolist())
-            )
+            report[name] = _own_metrics(stats, "student")
+            if "kl" in stats:
+                agreement, kl = load_metric("top1_agreement"), load_metric("mean_kl")
+                report[name] |= (agreement.compute(predictions=stats["student_top1"].tolist(),
+                                                   references=stats["teacher_top1"].tolist())
+                                 | kl.compute(predictions=stats["kl"].double().tolist()))
     return distributed.broadcast_object(report)
+
+
+def _own_metrics(stats: Mapping[str, torch.Tensor], side: str) -> dict[str, float]:
+    """Perplexity over the model's own tokens, and bits per byte where the batches say how many bytes a token is."""
+    out = load_metric("perplexity").compute(predictions=stats[f"{side}_nll"].double().tolist())
+    if f"{side}_bytes" in stats:
+        out |= load_metric("bits_per_byte").compute(predictions=stats[f"{side}_nll"].double().tolist(),
+                                                    references=stats[f"{side}_bytes"].tolist())
+    return out

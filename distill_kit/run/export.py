@@ -13,13 +13,23 @@ from typing import Any
 import deepspeed
 from torch import nn
 
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, peft_student
 from distill_kit.engines.models import active_transformers_config
 
 
-def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | None = None) -> Path:
-    """Save ``model`` (the bare student, without loss parameters) and its tokenizer to ``directory``."""
+def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | None = None,
+                   merged: bool = False) -> Path:
+    """Save ``model`` (the bare student, without loss parameters) and its tokenizer to ``directory``.
+
+    A PEFT student (stage 0-2: whole on every rank) is written as its adapter folder, and with ``merged`` also
+    as the merged model in ``directory/merged`` (``engines/peft_student.py``).
+    """
     directory = Path(directory)
+    if peft_student.is_peft(model):
+        if distributed.is_main():
+            peft_student.export(model, directory, tokenizer, merged)
+        distributed.barrier()
+        return directory
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         if distributed.is_main():

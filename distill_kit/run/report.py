@@ -25,28 +25,54 @@ def no_teacher_students(losses: Mapping[str, Any]) -> list[str]:
     return [name for name, loss in losses.items() if loss == NO_TEACHER_LOSS or loss == {"name": NO_TEACHER_LOSS}]
 
 
-def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any]) -> dict[str, Any]:
-    baselines = no_teacher_students(losses)
-    summary: dict[str, Any] = {"teacher_perplexity": final["teacher"]["perplexity"], "students": {}}
+def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any],
+              inits: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Each student's final metrics; ``inits`` says where each started (random, teacher, pretrained). Against the
+    first no-teacher student that starts from random weights (the baseline), every other student also gets
+    the fraction of the baseline-to-teacher perplexity gap it closes (and bits per byte where measured)."""
+    inits = inits or {}
+    baselines = [n for n in no_teacher_students(losses) if inits.get(n, "random") == "random"]
+    teacher = final["teacher"]["perplexity"]
+    summary: dict[str, Any] = {"teacher_perplexity": teacher, "students": {}}
+    if "bits_per_byte" in final["teacher"]:
+        summary["teacher_bits_per_byte"] = final["teacher"]["bits_per_byte"]
     for name in losses:
         row = dict(final[name])
-        if baselines and name not in baselines:
+        if name in inits:
+            row["init"] = inits[name]
+        if baselines and name != baselines[0]:
             base = final[baselines[0]]["perplexity"]
             row["no_teacher_perplexity"] = base
             row["perplexity_reduction_vs_no_teacher"] = 1.0 - row["perplexity"] / base
+            row["gap_closed"] = (base - row["perplexity"]) / (base - teacher) if base != teacher else float("nan")
+            if "bits_per_byte" in row:
+                row["no_teacher_bits_per_byte"] = final[baselines[0]]["bits_per_byte"]
         summary["students"][name] = row
     return summary
 
 
+def _cell(row: Mapping[str, Any], key: str, width: int, digits: int) -> str:
+    return f"{row[key]:>{width}.{digits}f}" if key in row else f"{'-':>{width}}"
+
+
 def table(summary: Mapping[str, Any]) -> str:
-    lines = [f"{'model':<14}{'held-out ppl':>14}{'top-1 agree':>13}{'KL to teacher':>15}",
-             f"{'teacher':<14}{summary['teacher_perplexity']:>14.3f}{'':>13}{'':>15}"]
+    teacher = {"perplexity": summary["teacher_perplexity"]}
+    if "teacher_bits_per_byte" in summary:
+        teacher["bits_per_byte"] = summary["teacher_bits_per_byte"]
+    lines = [f"{'model':<14}{'init':>9}{'held-out ppl':>14}{'bits/byte':>11}{'top-1 agree':>13}{'KL to teacher':>15}"]
+    for name, row in {"teacher": teacher, **summary["students"]}.items():
+        lines.append(f"{name:<14}{row.get('init', ''):>9}{_cell(row, 'perplexity', 14, 3)}"
+                     f"{_cell(row, 'bits_per_byte', 11, 4)}{_cell(row, 'top1_agreement', 13, 3)}"
+                     f"{_cell(row, 'mean_kl', 15, 4)}")
     for name, row in summary["students"].items():
-        lines.append(f"{name:<14}{row['perplexity']:>14.3f}{row['top1_agreement']:>13.3f}{row['mean_kl']:>15.4f}")
-    for name, row in summary["students"].items():
-        if "no_teacher_perplexity" in row:
+        if "no_teacher_bits_per_byte" in row:
+            lines.append(f"{name}: held-out bits per byte {row['bits_per_byte']:.4f} vs "
+                         f"{row['no_teacher_bits_per_byte']:.4f} without the teacher (teacher: "
+                         f"{summary['teacher_bits_per_byte']:.4f})")
+        elif "no_teacher_perplexity" in row:
             lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
-                         f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower)")
+                         f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower; "
+                         f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
     return "\n".join(lines)
 
 
@@ -58,13 +84,17 @@ def plot(path: Path, histories: Mapping[str, Sequence[Mapping[str, float]]],
         left.plot([r["step"] for r in history], [r["loss"] for r in history], label=name)
     left.set(title="training loss (each student's own objective)", xlabel="optimizer step", ylabel="loss")
     left.legend()
+    # Bits per byte where measured: it is the one measure that compares models with different tokenizers.
+    teacher_final = evaluations[-1]["metrics"]["teacher"] if evaluations else {}
+    metric = "bits_per_byte" if "bits_per_byte" in teacher_final else "perplexity"
     for name in histories:
-        points = [(e["step"], e["metrics"][name]["perplexity"]) for e in evaluations if name in e["metrics"]]
+        points = [(e["step"], e["metrics"][name][metric]) for e in evaluations if name in e["metrics"]]
         if points:
             right.plot(*zip(*points, strict=True), marker="o", label=name)
     if evaluations:
-        right.axhline(evaluations[-1]["metrics"]["teacher"]["perplexity"], color="k", linestyle="--", label="teacher")
-    right.set(title="held-out perplexity", xlabel="optimizer step", ylabel="perplexity", yscale="log")
+        right.axhline(evaluations[-1]["metrics"]["teacher"][metric], color="k", linestyle="--", label="teacher")
+    label = metric.replace("_", " ")
+    right.set(title=f"held-out {label}", xlabel="optimizer step", ylabel=label, yscale="log")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -73,9 +103,9 @@ def plot(path: Path, histories: Mapping[str, Sequence[Mapping[str, float]]],
 
 def write(out_dir: Path, config: Mapping[str, Any], losses: Mapping[str, Any],
           histories: Mapping[str, Sequence[Mapping[str, float]]], evaluations: Sequence[Mapping[str, Any]],
-          extra: Mapping[str, Any]) -> dict[str, Any]:
+          extra: Mapping[str, Any], inits: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``report.json`` and ``loss_curves.png`` in ``out_dir``; returns the summary."""
-    summary = summarize(evaluations[-1]["metrics"], losses)
+    summary = summarize(evaluations[-1]["metrics"], losses, inits)
     report = {"summary": summary, "evaluations": list(evaluations), "histories": dict(histories),
               "config": dict(config), **extra}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))

@@ -23,8 +23,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
-from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines import deepspeed_config, distributed, peft_student
+from distill_kit.run import student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -158,6 +160,21 @@ def check_student_init(start: Start) -> list[str]:
     return problems
 
 
+def check_cuts(start: Start) -> list[str]:
+    """Every ``init_from_teacher`` checked against the teacher's config (architecture, layers, sizes)."""
+    teacher = start.model_config("teacher", start.config.teacher)
+    if teacher is None:
+        return []
+    problems = []
+    for student in start.config.students:
+        if student.init_from_teacher is not None:
+            try:
+                from_teacher.check(student.init_from_teacher, teacher)
+            except ValueError as err:
+                problems.append(f"students[{student.name}].init_from_teacher: {err}")
+    return problems
+
+
 def check_deepspeed_configs(start: Start) -> list[str]:
     """Every student's DeepSpeed config and the teacher's, filled and checked together as the engines will be."""
     config = start.config
@@ -247,10 +264,32 @@ def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None
     except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
         return None
 
+def check_peft(start: Start) -> list[str]:
+    """A student with ``peft`` adapters: the library is installed and the student's ZeRO stage is 0-2."""
+    config, problems = start.config, []
+    for student in config.students:
+        if student.peft is not None:
+            try:
+                peft_student.preflight(student.peft, student.ds_config or config.student_ds_config,
+                                       {**config.student_ds_overrides, **student.ds_overrides})
+            except (ImportError, ValueError) as err:
+                problems.append(f"students[{student.name}].peft: {err}")
+    return problems
+
+
+def check_trackers(start: Start) -> list[str]:
+    """Every tracker in ``report_to`` is known and installed."""
+    try:
+        trackers.check(start.config.report_to)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_data, check_deepspeed_configs,
-                       check_checkpoint_disk]
+CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
+                       check_deepspeed_configs, check_checkpoint_disk,
+                       lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 

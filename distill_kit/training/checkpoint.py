@@ -53,7 +53,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from torch import nn
 
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, peft_student
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,16 @@ def _by_folder(engines: Engines) -> dict[str, deepspeed.DeepSpeedEngine]:
     if clashing:
         raise ValueError(f"models named {clashing} would clash with a checkpoint's own files; rename them")
     return engines
+
+
+def _frozen_bases(engines: Mapping[str, deepspeed.DeepSpeedEngine]) -> dict[str, str]:
+    """The sha256 of each PEFT student's frozen base, by folder: its checkpoint holds only the adapters."""
+    return {folder: peft_student.frozen_parameters_sha256(engine.module)
+            for folder, engine in engines.items() if _is_peft(engine)}
+
+
+def _is_peft(engine: deepspeed.DeepSpeedEngine) -> bool:
+    return peft_student.is_peft(getattr(engine, "module", engine))
 
 
 def _step_of(path: Path) -> int | None:
@@ -208,7 +218,9 @@ def _read_rank_state(directory: Path, rank: int, format_: int) -> dict[str, Any]
         tensors = safetensors.torch.load_file(str(directory / _rank_file(rank, ".safetensors")))
         return _decode(json.loads((directory / _rank_file(rank)).read_text()), tensors)
     path = directory / _rank_file(rank, ".pt")
-    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np._core.multiarray._reconstruct]
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 renamed the module
+    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
+                   (reconstruct, "numpy.core.multiarray._reconstruct")]  # as a numpy 1 pickle names it
     try:
         with torch.serialization.safe_globals(numpy_state):
             state = torch.load(path, weights_only=True)
@@ -280,21 +292,23 @@ def save(
     if distributed.broadcast_object(keep):
         return final
     try:
-        for folder, engine in engines.items():
-            engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
+        for folder, engine in engines.items():  # a PEFT student's frozen base is not saved: its sha256 is, below
+            adapters_only = {"exclude_frozen_parameters": True} if _is_peft(engine) else {}
+            engine.save_checkpoint(str(partial), tag=folder, save_latest=False, **adapters_only)
         partial.mkdir(parents=True, exist_ok=True)
         _write_rank_state(partial, distributed.rank(), rank_state)
     except (OSError, RuntimeError) as err:  # DeepSpeed's C++ writer says only "basic_ios::clear: iostream error"
         raise OSError(f"could not write checkpoint {partial}: {err}. {disk_space(directory)}; free space or "
                       "choose another training.checkpoint_dir, then resume (--resume) from the last checkpoint "
                       "(the unfinished one is cleared).") from err
+    frozen = _frozen_bases(engines)
     distributed.barrier()  # every rank's files are on disk
     if distributed.is_main():
         (partial / TRAINER_STATE).write_text(json.dumps(trainer_state))
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         manifest = {
             "format": FORMAT, "step": step, "world_size": distributed.world_size(), "teacher_sha256": teacher_sha256,
-            "models": sorted(engines),
+            "models": sorted(engines), **({"frozen_base_sha256": frozen} if frozen else {}),
             "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
         }
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
@@ -450,6 +464,13 @@ def load(
             f"{distributed.world_size()}. Resume on {manifest['world_size']} ranks: each rank's data position "
             "and random generators are its own."
         )
+    frozen = _frozen_bases(engines)
+    if manifest.get("frozen_base_sha256", {}) != frozen:
+        raise ValueError(
+            f"checkpoint {path} holds adapters trained on frozen base weights with sha256 "
+            f"{manifest.get('frozen_base_sha256', {})}, but this run's are {frozen}. Resume with the student model "
+            "(and peft settings) the run was started with."
+        )
     problem = None
     try:  # before any engine loads: a refused state file must leave the engines untouched
         rank_state = _read_rank_state(path, distributed.rank(), manifest.get("format", 1))
@@ -460,7 +481,8 @@ def load(
         raise ValueError(problems[0])
     with _weights_only(engines.values()):
         for folder, engine in engines.items():
-            loaded, _ = engine.load_checkpoint(str(path), tag=folder)
+            loaded, _ = engine.load_checkpoint(str(path), tag=folder,
+                                               **({"load_module_strict": False} if folder in frozen else {}))
             if loaded is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())

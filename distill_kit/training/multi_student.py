@@ -55,7 +55,9 @@ class MultiStudentDistiller(Trainer):
         teacher_ds_overrides: Mapping[str, Any] | None = None,
         student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
+        vocab_map: Any = None,
     ):
+        """``vocab_map``: the students' tokenizer differs from the teacher's (see :class:`Distiller`)."""
         fraction = (training or TrainingConfig()).on_policy.fraction
         if fraction > 0 and len(students) > 1:  # before anything starts
             raise ValueError(
@@ -70,6 +72,7 @@ class MultiStudentDistiller(Trainer):
             student_ds_config=spec.ds_config or student_ds_config,
             student_ds_overrides={**(student_ds_overrides or {}), **spec.ds_overrides},
             training=spec.training(self.training),
+            peft=spec.peft,
         ) for spec in specs}
         # Every student's config and the teacher's are checked together before anything loads.
         _, self.teacher_ds_config = deepspeed_config.prepare_group(
@@ -81,7 +84,7 @@ class MultiStudentDistiller(Trainer):
         )
         losses: dict[str, DistillationLoss] = {spec.name: build_loss(
             spec.loss, **{f"student_{k}": v for k, v in student_facts[spec.name].items()},
-            **{f"teacher_{k}": v for k, v in teacher_facts.items()},
+            **{f"teacher_{k}": v for k, v in teacher_facts.items()}, vocab_map=vocab_map,
         ) for spec in specs}
         # The teacher loads first and once: it must never exist unsharded next to the students.
         need_attentions = any(loss.needs_attentions for loss in losses.values())
@@ -91,7 +94,7 @@ class MultiStudentDistiller(Trainer):
         self.students: dict[str, Distiller] = {
             spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,
                                  teacher_ds_overrides=teacher_ds_overrides, shared_teacher=self.teacher,
-                                 **requests[spec.name])
+                                 vocab_map=vocab_map, **requests[spec.name])
             for spec in specs
         }
 
@@ -99,7 +102,7 @@ class MultiStudentDistiller(Trainer):
 
     def teacher_forward(self, batch: Batch) -> Any:
         """The teacher once, with hidden states or attention maps when any student's loss needs them."""
-        requests = [student.model_inputs(batch) for student in self.students.values()]
+        requests = [student.teacher_inputs(batch) for student in self.students.values()]
         inputs = requests[0] | {flag: any(r[flag] for r in requests)
                                 for flag in ("output_hidden_states", "output_attentions")}
         with torch.no_grad():
@@ -140,6 +143,8 @@ class MultiStudentDistiller(Trainer):
                 engine.train()
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
-        """Each bare student as a Hugging Face model directory, ``<directory>/<name>``."""
-        return {name: export.export_student(student.student_model, Path(directory) / name, tokenizer)
+        """Each bare student as a Hugging Face model directory, ``<directory>/<name>`` (a PEFT student's: its
+        adapter folder, and ``<name>/merged`` when its ``peft.export_merged`` asks)."""
+        return {name: export.export_student(student.student_model, Path(directory) / name, tokenizer,
+                                            merged=student.export_merged)
                 for name, student in self.students.items()}

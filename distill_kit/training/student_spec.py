@@ -35,6 +35,9 @@ class StudentSpec:
     """Dotted keys written into its config over the group's overrides, e.g. ``{"zero_optimization.stage": 3}``."""
     lr: float | None = None
     """Its learning rate (fills its ``"auto"`` lr and warm-up peak); None takes ``training.lr``."""
+    peft: Any = None
+    """LoRA adapters to train instead of the whole model: ``{r, alpha, dropout, target_modules, export_merged}``,
+    an ``AdapterConfig`` or a ``peft.PeftConfig`` (``engines/peft_student.py``); None trains every weight."""
 
     def __post_init__(self) -> None:
         if not (self.name and self.name.replace("-", "_").replace(".", "_").isidentifier()):
