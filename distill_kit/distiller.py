@@ -2,6 +2,7 @@
 
 Each hook does one thing and can be overridden alone by research code::
 
+    batch = self.make_batch(batch)                 # on-policy: samples replace a fraction of the answers
     teacher_out = self.teacher_forward(batch)      # no_grad, ZeRO-3 shards gathered layer by layer
     student_out = self.student_forward(batch)      # ZeRO-2 engine
     loss = self.compute_loss(student_out, teacher_out, batch)
@@ -30,6 +31,7 @@ from distill_kit.run import evaluation
 from distill_kit.training import nonfinite
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Batch, Trainer
+from distill_kit.training.on_policy import Sampler
 from losses import DistillationLoss, LossOutput, build_loss
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -107,6 +109,10 @@ class Distiller(Trainer):
             logging.getLogger(__name__).info("student logits materialised in full: %s", unfused)
         self.fused_head = unfused is None
         """The student runs without its output head; logit losses apply it chunk by chunk (``losses/fused.py``)."""
+        on_policy = self.training.on_policy
+        self.sampler = (Sampler(on_policy, lambda: self.student_model) if on_policy.sampler == "student" else
+                        Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
+                                synced=distributed.world_size() > 1))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
@@ -119,6 +125,11 @@ class Distiller(Trainer):
             "output_hidden_states": self.loss.needs_hidden_states,
             "output_attentions": self.loss.needs_attentions,
         }
+
+    def make_batch(self, batch: Batch) -> Batch:
+        """Each micro-batch as trained on, before the step counts its tokens (the loop calls it): with
+        ``training.on_policy.fraction`` > 0 a share of its rows become prompt + sample (``on_policy.py``)."""
+        return self.sampler(batch)
 
     def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
         """The teacher reads its own tokens when its tokenizer differs (paired blocks carry ``teacher_input_ids``)."""

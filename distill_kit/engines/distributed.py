@@ -80,6 +80,15 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """Maximum over ranks (a no-op on one), e.g. the padded length every rank's batch agrees on."""
+    if world_size() > 1:
+        reduced = value.to(get_accelerator().current_device_name(), copy=True)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        value = reduced.to(value.device)
+    return value
+
+
 def barrier() -> None:
     """Wait for every rank (a no-op on one): e.g. until all have written their part of a checkpoint."""
     if world_size() > 1:

@@ -164,7 +164,8 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
-        chat.require_answers(splits, "the students' losses")
+        if config.training.on_policy.fraction < 1:  # at 1 every row is answered by a sample
+            chat.require_answers(splits, "the students' losses")
         pad = chat.pad_id_of(tokenizer)
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
@@ -225,6 +226,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
+    if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
+        from distill_kit.tasks import compare
+        return compare.run(config, resume)
     out = Path(config.output_dir)
     validate.validate(config, resume, run_identity(config))
     with _input_errors("data"):
@@ -314,6 +318,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except blocks.DataError as err:  # e.g. a stream with too few blocks, found once it is read
         raise SystemExit(f"data error: {err}") from None
     if summary is not None and distributed.is_main():
-        print(json.dumps(summary["students"], indent=2))
+        print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)
     return 0

@@ -28,6 +28,7 @@ import yaml
 from distill_kit.data.blocks import DataConfig
 from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.students.from_teacher import FromTeacherConfig
+from distill_kit.tasks.config import TaskConfig
 from distill_kit.training.config import TrainingConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -121,6 +122,9 @@ class RunConfig:
         max_steps=400, micro_batch_size=8, lr=3e-3, betas=(0.9, 0.95), warmup_steps=20))
     """Optimizer steps, batch, learning rate, precision; every "auto" in the DeepSpeed configs comes from here."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=100))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """A task benchmark instead of training on data: task.name runs its comparison of recipes
+    (configs/arithmetic.yaml)."""
     student_ds_config: str = str(CONFIG_DIR / "zero2_student.json")
     """The students' DeepSpeed config (JSON/HJSON, "auto" allowed)."""
     teacher_ds_config: str = str(CONFIG_DIR / "zero3_teacher.json")

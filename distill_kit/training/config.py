@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from distill_kit.engines import kernels
+from distill_kit.training.on_policy import OnPolicyConfig
 
 DType = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["linear", "cosine", "constant"]
@@ -59,6 +60,8 @@ class TrainingConfig:
     """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
     student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2
     student of a known architecture, no loss that reads full logits); the run's log says when it is not."""
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -83,3 +86,5 @@ class TrainingConfig:
         kernels.check(self.teacher_kernels, "teacher_kernels")
         kernels.check(self.student_kernels, "student_kernels")
         self.betas = tuple(self.betas)
+        if isinstance(self.on_policy, dict):
+            self.on_policy = OnPolicyConfig(**self.on_policy)

@@ -75,6 +75,11 @@ class Trainer:
         """One micro-batch for every model: forwards, losses, backwards and engine steps; each loss by name."""
         raise NotImplementedError
 
+    def make_batch(self, batch: Batch) -> Batch:
+        """The micro-batch the models train on, made from the data's before the step counts its tokens; the data's
+        own by default (on-policy sampling replaces rows with samples: ``on_policy.py``)."""
+        return batch
+
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
@@ -101,7 +106,7 @@ class Trainer:
                         disable=not distributed.is_main(), dynamic_ncols=True)
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
-                step_batches = [self._to_device(next(micro_batches))
+                step_batches = [self.make_batch(self._to_device(next(micro_batches)))
                                 for _ in range(self.training.gradient_accumulation_steps)]
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)

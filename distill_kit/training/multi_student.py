@@ -58,6 +58,12 @@ class MultiStudentDistiller(Trainer):
         vocab_map: Any = None,
     ):
         """``vocab_map``: the students' tokenizer differs from the teacher's (see :class:`Distiller`)."""
+        fraction = (training or TrainingConfig()).on_policy.fraction
+        if fraction > 0 and len(students) > 1:  # before anything starts
+            raise ValueError(
+                f"training.on_policy.fraction={fraction} with {len(students)} students: each "
+                "student would sample its own completions, so they could not share batches or the teacher's forward "
+                "(the point of a group). Distil them in separate runs, or set training.on_policy.fraction: 0")
         super().__init__(training)
         specs = student_specs(students)
         teacher_facts = models.facts(teacher)
@@ -101,6 +107,10 @@ class MultiStudentDistiller(Trainer):
                                 for flag in ("output_hidden_states", "output_attentions")}
         with torch.no_grad():
             return self.teacher(**inputs)
+
+    def make_batch(self, batch: Batch) -> Batch:
+        """The one student's samples when it is on-policy (several on-policy students are refused above)."""
+        return next(iter(self.students.values())).make_batch(batch) if len(self.students) == 1 else batch
 
     def training_step(self, batch: Batch) -> dict[str, LossOutput]:
         """One micro-batch: the teacher's forward, then every student's half of the single-student step.

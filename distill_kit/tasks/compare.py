@@ -1,0 +1,174 @@
+"""A task benchmark: recipes of post-training distillation compared on what the student gets right.
+
+Every recipe starts from the same initial student (the run's first ``students`` entry) and takes the same
+``training.max_steps`` steps of ``training.micro_batch_size`` rows, each as its own :class:`Distiller` run::
+
+    teacher                 the frozen teacher itself (the ceiling)
+    sft                     cross-entropy on the labelled answers (no teacher: the baseline)
+    forward_kl              forward KL to the teacher on the labelled answers (off-policy KD)
+    seq_kd                  cross-entropy on the teacher's samples of the unlabelled prompts (sequence-level KD)
+    on_policy_reverse_kl    SFT warm start, then reverse KL on the student's own samples of the prompts (GKD)
+    on_policy_jsd           the same with generalized JSD, beta 0.5
+    mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
+
+Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
+metric) and the teacher-student KL on the held-out reference answers; the table gives the share of the
+SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distill_kit.data import chat
+from distill_kit.data.blocks import DataConfig
+from distill_kit.distiller import Distiller
+from distill_kit.engines import distributed
+from distill_kit.run.run_config import ConfigError, RunConfig, to_dict
+from distill_kit.tasks import arithmetic
+from distill_kit.tasks.evaluate import exact_match
+from distill_kit.training.on_policy import OnPolicyConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Mixed:
+    """Micro-batches of half answered rows, half prompts: one micro-batch of each loader, rows side by side."""
+
+    def __init__(self, answered: chat.ChatLoader, prompts: chat.ChatLoader, pad_id: int):
+        self.answered, self.prompts, self.pad_id = answered, prompts, pad_id
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for a, p in zip(self.answered, self.prompts, strict=False):
+            rows = [(ids[m.bool()].tolist(), lab[m.bool()].tolist()) for part in (a, p)
+                    for ids, lab, m in zip(part["input_ids"], part["labels"], part["attention_mask"], strict=True)]
+            yield chat.pad_rows([r[0] for r in rows], [r[1] for r in rows], self.pad_id)
+
+
+def chat_split(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
+    """The task's JSONL records tokenised by the chat data pipeline (the teacher's template, answers counted)."""
+    return chat.build_splits(DataConfig(train=str(train), heldout=str(heldout), format="chat", block_size=128),
+                             tokenizer)
+
+
+def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Every recipe in ``config.task.recipes``; writes ``<output_dir>/report.json`` and returns its summary."""
+    from distill_kit.run.cli import prepare_student
+
+    task = config.task
+    if resume:
+        raise ConfigError("--resume does not apply to a task benchmark (task.name): its recipes are short; rerun it")
+    if distributed.world_size() != 1:
+        raise ConfigError("the task benchmark runs on one process (its recipes are sized for a CPU); "
+                          "run it with plain python")
+    out = Path(config.output_dir)
+    if not (Path(config.teacher) / "config.json").is_file():
+        raise ConfigError(f"teacher: {config.teacher!r} is not a saved model directory; the arithmetic task's is "
+                          "distill_kit/assets/arithmetic/teacher (scripts/train_task_teacher.py writes it)")
+    if (out / "report.json").exists():
+        raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    init = prepare_student(config.students[0], config, tokenizer).model
+    seeds = arithmetic.split_seeds(config.training.seed)
+    labelled = list(arithmetic.examples(seeds["labelled"], task.labelled))
+    prompts = list(arithmetic.examples(seeds["prompts"], task.prompts))
+    heldout = list(arithmetic.examples(seeds["heldout"], task.heldout))
+    files = {name: arithmetic.write_jsonl(out / "data" / f"{name}.jsonl", items, with_answers=name != "prompts")
+             for name, items in (("labelled", labelled), ("prompts", prompts), ("heldout", heldout))}
+    answered = chat_split(tokenizer, files["labelled"], files["heldout"])
+    unanswered = chat_split(tokenizer, files["prompts"], files["heldout"]).train
+    pad, mbs, seed = chat.pad_id_of(tokenizer), config.training.micro_batch_size, config.training.seed
+    heldout_batches = chat.ChatLoader(answered.heldout, 100, pad_id=pad, shuffle=False, drop_last=False)
+    data = {"labelled": lambda: chat.ChatLoader(answered.train, mbs, pad_id=pad, seed=seed),
+            "prompts": lambda: chat.ChatLoader(unanswered, mbs, pad_id=pad, seed=seed),
+            "mixed": lambda: Mixed(chat.ChatLoader(answered.train, mbs - mbs // 2, pad_id=pad, seed=seed),
+                                   chat.ChatLoader(unanswered, mbs // 2, pad_id=pad, seed=seed), pad)}
+    sampling = dataclasses.replace(config.training.on_policy, max_new_tokens=task.max_new_tokens,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+
+    def train(name: str, start: str, loss: Any, batches: str, steps: int, on_policy: OnPolicyConfig | None = None):
+        training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
+                                       on_policy=on_policy or OnPolicyConfig())
+        distiller = Distiller(start, config.teacher, loss=loss, training=training,
+                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
+                              student_ds_overrides=config.student_ds_overrides,
+                              teacher_ds_overrides=config.teacher_ds_overrides)
+        distiller.train(data[batches]())
+        return distiller
+
+    def score(name: str, distiller: Distiller, seconds: float) -> dict[str, Any]:
+        started = time.perf_counter()
+        row = {"recipe": name, "exact_match": exact_match(distiller.student_model, tokenizer, heldout),
+               "answer_kl": distiller.evaluate(heldout_batches)["student"]["mean_kl"], "train_seconds": seconds}
+        logger.info("%s: %s (evaluated in %.1fs)", name, row, time.perf_counter() - started)
+        return row
+
+    steps, warm = config.training.max_steps, min(task.warm_start_steps, config.training.max_steps)
+    on_policy = dataclasses.replace(sampling, fraction=1.0, sampler="student")
+    recipes = {
+        "sft": lambda: ("cross_entropy", "labelled", None, 0),
+        "forward_kl": lambda: ("forward_kl", "labelled", None, 0),
+        "seq_kd": lambda: ("cross_entropy", "prompts", dataclasses.replace(sampling, fraction=1.0, sampler="teacher"),
+                           0),
+        "on_policy_reverse_kl": lambda: ("reverse_kl", "prompts", on_policy, warm),
+        "on_policy_jsd": lambda: ({"name": "generalized_jsd", "beta": 0.5}, "prompts", on_policy, warm),
+        "mixed": lambda: ("reverse_kl", "mixed", dataclasses.replace(on_policy, fraction=0.5), 0),
+    }
+    rows: list[dict[str, Any]] = []
+    warm_start: tuple[str, float] | None = None
+    for name in task.recipes:
+        if name == "teacher":
+            started = time.perf_counter()
+            teacher = AutoModelForCausalLM.from_pretrained(config.teacher)
+            rows.append({"recipe": "teacher", "exact_match": exact_match(teacher, tokenizer, heldout),
+                         "answer_kl": 0.0, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - started})
+            continue
+        loss, batches, sampler, warm_steps = recipes[name]()
+        start, seconds = init, 0.0
+        if warm_steps:
+            if warm_start is None:  # one warm start, shared by the on-policy recipes; its time is charged to each
+                started = time.perf_counter()
+                sft = train("warm_start", init, "cross_entropy", "labelled", warm_steps)
+                path = out / "init" / "warm_start"
+                sft.student_model.save_pretrained(path)
+                warm_start = (str(path), time.perf_counter() - started)
+            start, seconds = warm_start
+        started = time.perf_counter()
+        distiller = train(name, start, loss, batches, steps - warm_steps, sampler)
+        rows.append(score(name, distiller, seconds + time.perf_counter() - started))
+        distiller.student_model.save_pretrained(out / "students" / name)  # to read its answers afterwards
+    summary = table(rows)
+    summary["config"] = to_dict(config)
+    (out / "report.json").write_text(json.dumps(summary, indent=2))
+    print(format_table(summary["rows"]))
+    print(f"report: {out / 'report.json'}")
+    return summary
+
+
+def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows with the share of the SFT-to-teacher accuracy gap each closes (when both were run)."""
+    accuracy = {row["recipe"]: row["exact_match"] for row in rows}
+    if "sft" in accuracy and "teacher" in accuracy and accuracy["teacher"] > accuracy["sft"]:
+        for row in rows:
+            row["gap_closed"] = (row["exact_match"] - accuracy["sft"]) / (accuracy["teacher"] - accuracy["sft"])
+    best = max((r for r in rows if r["recipe"] not in ("teacher", "sft")), key=lambda r: r["exact_match"],
+               default=None)
+    return {"rows": rows, "best": best["recipe"] if best else None}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'recipe':<22}{'exact match':>12}{'gap closed':>12}{'answer KL':>11}{'seconds':>9}"]
+    for row in rows:
+        gap = f"{row['gap_closed']:.0%}" if "gap_closed" in row else "-"
+        lines.append(f"{row['recipe']:<22}{row['exact_match']:>12.1%}{gap:>12}{row['answer_kl']:>11.4f}"
+                     f"{row['train_seconds']:>9.0f}")
+    return "\n".join(lines)
