@@ -355,7 +355,29 @@ def _collate(rows: Mapping[str, Sequence[Sequence[int]]]) -> Batch:
     return {name: torch.tensor(values, dtype=torch.long) for name, values in rows.items()}
 
 
-class BlockLoader:
+class EpochLoader:
+    """What a loader that cuts each epoch into ``num_batches`` micro-batches shares: iteration from its saved
+    :class:`LoaderPosition`, and that position as its state (so a resumed run continues at the same batch).
+    A subclass gives ``position``, ``num_batches``, ``epoch_order(epoch)`` and ``batch(epoch, index, order)``."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch from :attr:`position`; the position then moves to the next epoch."""
+        epoch = self.position.epoch
+        order = self.epoch_order(epoch)
+        for index in range(self.position.index, self.num_batches):
+            batch = self.batch(epoch, index, order)
+            self.position = LoaderPosition(epoch, index + 1)
+            yield batch
+        self.position = LoaderPosition(epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.position = LoaderPosition.from_state_dict(state)
+
+
+class BlockLoader(EpochLoader):
     """Micro-batches of one rank over a map-style block dataset; every rank gets ``len(self)`` of them.
 
     Global batch ``b`` of an epoch is blocks ``order[b*W*M : (b+1)*W*M]`` (``W`` ranks, ``M`` blocks a
@@ -432,21 +454,6 @@ class BlockLoader:
             rows = {name: list(rows[name]) + filler[name] for name in self.dataset.column_names}
         return _collate(rows)
 
-    def __iter__(self) -> Iterator[Batch]:
-        """The rest of the current epoch from :attr:`position`; the position then moves to the next epoch."""
-        epoch = self.position.epoch
-        order = self.epoch_order(epoch)
-        for index in range(self.position.index, self.num_batches):
-            batch = self.batch(epoch, index, order)
-            self.position = LoaderPosition(epoch, index + 1)
-            yield batch
-        self.position = LoaderPosition(epoch + 1, 0)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.position = LoaderPosition.from_state_dict(state)
 
 
 class StreamingBlockLoader:

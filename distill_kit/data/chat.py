@@ -63,7 +63,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from distill_kit.data.blocks import IGNORE_INDEX, DataConfig, LoaderPosition, _as_list, _check_rank, load_text
+from distill_kit.data.blocks import (
+    IGNORE_INDEX,
+    DataConfig,
+    EpochLoader,
+    LoaderPosition,
+    _as_list,
+    _check_rank,
+    load_text,
+)
 from distill_kit.run.run_config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -496,7 +504,7 @@ def left_padded_prompts(batch: Mapping[str, torch.Tensor], pad_id: int) -> Batch
     return {"input_ids": ids, "attention_mask": mask.long()}
 
 
-class ChatLoader:
+class ChatLoader(EpochLoader):
     """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
 
     An epoch's order (:meth:`epoch_order`): the records in a random order fixed by ``seed`` and the epoch, sorted
@@ -557,22 +565,6 @@ class ChatLoader:
         ids = list(rows["input_ids"]) + [[self.pad_id]] * short
         labels = list(rows["labels"]) + [[IGNORE_INDEX]] * short
         return pad_rows(ids, labels, self.pad_id)
-
-    def __iter__(self) -> Iterator[Batch]:
-        """The rest of the current epoch from :attr:`position`; the position then moves to the next epoch."""
-        epoch = self.position.epoch
-        order = self.epoch_order(epoch)
-        for index in range(self.position.index, self.num_batches):
-            batch = self.batch(epoch, index, order)
-            self.position = LoaderPosition(epoch, index + 1)
-            yield batch
-        self.position = LoaderPosition(epoch + 1, 0)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.position.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.position = LoaderPosition.from_state_dict(state)
 
 
 def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -51,19 +51,23 @@ class StudentSpec:
         return group if self.lr is None else dataclasses.replace(group, lr=self.lr)
 
 
+def spec_from(cls: type, entry: Any, kind: str) -> Any:
+    """``entry`` as a ``cls`` spec: a spec is kept; a dict's keys are checked first (each unknown one named,
+    with the closest known key), since a misspelt key would otherwise become a ``TypeError`` or be lost."""
+    if not isinstance(entry, Mapping):
+        return entry
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = [key for key in entry if key not in fields]
+    if unknown:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
+                 else repr(key) for key in unknown]
+        raise ValueError(f"unknown {kind} keys {', '.join(hints)}; a {kind} has {', '.join(fields)}")
+    return cls(**entry)
+
+
 def student_specs(entries: Sequence[StudentSpec | Mapping[str, Any]]) -> list[StudentSpec]:
     """Specs from specs or plain dicts (a run config's entries); unknown keys and repeated names are errors."""
-    fields = [f.name for f in dataclasses.fields(StudentSpec)]
-    specs = []
-    for entry in entries:
-        if isinstance(entry, Mapping):
-            unknown = [key for key in entry if key not in fields]
-            if unknown:
-                hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
-                         else repr(key) for key in unknown]
-                raise ValueError(f"unknown student keys {', '.join(hints)}; a student has {', '.join(fields)}")
-            entry = StudentSpec(**entry)
-        specs.append(entry)
+    specs = [spec_from(StudentSpec, entry, "student") for entry in entries]
     if not specs:
         raise ValueError("no students: give at least one, e.g. [{name: small, model: path/to/student}]")
     names = [spec.name for spec in specs]

@@ -23,8 +23,6 @@ record every teacher's weight hash by name, and resume refuses other teachers.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from distill_kit.run import evaluation
 from distill_kit.training import checkpoint
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Trainer
+from distill_kit.training.student_spec import spec_from
 from losses import DistillationLoss, LossOutput, build_loss
 from losses.base import LogitLoss
 from losses.composite import WeightedSum
@@ -75,17 +74,7 @@ class TeacherSpec:
 
 def teacher_specs(entries: Sequence[TeacherSpec | Mapping[str, Any]]) -> list[TeacherSpec]:
     """Specs from specs or dicts; unknown keys, repeated names and all-zero weights are errors."""
-    fields = [f.name for f in dataclasses.fields(TeacherSpec)]
-    specs = []
-    for entry in entries:
-        if isinstance(entry, Mapping):
-            unknown = [key for key in entry if key not in fields]
-            if unknown:
-                hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
-                         else repr(key) for key in unknown]
-                raise ValueError(f"unknown teacher keys {', '.join(hints)}; a teacher has {', '.join(fields)}")
-            entry = TeacherSpec(**entry)
-        specs.append(entry)
+    specs = [spec_from(TeacherSpec, entry, "teacher") for entry in entries]
     names = [spec.name for spec in specs]
     if not specs:
         raise ValueError("no teachers: give at least one, e.g. [{name: big, model: path/to/teacher, weight: 1.0}]")
