@@ -96,7 +96,13 @@ COMPOSITE = [
 ]
 
 
-@pytest.mark.parametrize("spec", [*sorted(LOSSES), COMPOSITE], ids=[*sorted(LOSSES), "composite"])
+# cross_tokenizer reads paired batches (the teacher's own ids and the alignment), which this model and batch do not
+# have; its invariance under accumulation is checked against a plain loop with accumulation in
+# tests/test_cross_tokenizer_ranks.py.
+SAME_BATCH_LOSSES = sorted(set(LOSSES) - {"cross_tokenizer"})
+
+
+@pytest.mark.parametrize("spec", [*SAME_BATCH_LOSSES, COMPOSITE], ids=[*SAME_BATCH_LOSSES, "composite"])
 def test_one_micro_batch_of_8_equals_4_accumulated_micro_batches_of_2(spec):
     value_8, grads_8 = accumulate(spec, micro_batch_size=8)
     value_2, grads_2 = accumulate(spec, micro_batch_size=2)
