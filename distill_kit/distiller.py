@@ -162,10 +162,10 @@ class Distiller(Trainer):
         self.student.step()
         return loss
 
-    # ---- the loop (training_loop.Trainer): this one model, unnamed ---------------------------------------
+    # ---- the loop (training/loop.py: Trainer): this one model, unnamed ---------------------------------------
 
     def engines(self) -> dict[str, Any]:
-        """The student, with the empty name: records read ``loss``, ``<part>``, ``lr`` (see ``training_loop.py``)."""
+        """The student, with the empty name: records read ``loss``, ``<part>``, ``lr`` (see ``training/loop.py``)."""
         return {"": self.student}
 
     def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:

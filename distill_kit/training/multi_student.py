@@ -121,7 +121,7 @@ class MultiStudentDistiller(Trainer):
         teacher_out = self.teacher_forward(batch)
         return {name: student.student_step(batch, teacher_out) for name, student in self.students.items()}
 
-    # ---- the loop (training_loop.Trainer) ----------------------------------------------------------------
+    # ---- the loop (training/loop.py: Trainer) ----------------------------------------------------------------
 
     def engines(self) -> dict[str, Any]:
         return {name: student.student for name, student in self.students.items()}

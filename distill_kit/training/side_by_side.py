@@ -112,7 +112,7 @@ class SideBySide(Trainer):
             self.models[name].step()
         return losses
 
-    # ---- the loop (training_loop.Trainer) ----------------------------------------------------------------
+    # ---- the loop (training/loop.py: Trainer) ----------------------------------------------------------------
 
     def engines(self) -> dict[str, Any]:
         return self.models
