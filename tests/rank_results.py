@@ -29,6 +29,12 @@ def write(out: Path, name: str, result: dict) -> None:
     (out / f"{name}.rank{distributed.rank()}.json").write_text(json.dumps(result))
 
 
+def read(out: Path, ranks: int) -> dict[str, list[dict]]:
+    """Every scenario's results that :func:`write` left in ``out``, by name, one per rank in rank order."""
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
+            for name in {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}}
+
+
 def saved_pair(out: Path) -> tuple[Path, Path]:
     """The tiny teacher and student of ``tiny_models.save_pair``, written once by rank 0 for every rank."""
     if distributed.is_main():

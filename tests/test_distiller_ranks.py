@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+import rank_results
 from launch import ROOT, run_ranks
 
 WORKER = ROOT / "tests/workers/core_scenarios.py"
@@ -13,23 +11,18 @@ SCENARIOS = ["zero2_zero3", "teacher_sharding", "zero3_zero3", "zero2_zero0", "l
 pytestmark = pytest.mark.multirank
 
 
-def _results(out: Path, ranks: int) -> dict[str, list[dict]]:
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
-            for name in {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}}
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("two_ranks")
     run_ranks(WORKER, [str(out), ",".join(SCENARIOS)], nprocs=2)
-    return _results(out, 2)
+    return rank_results.read(out, 2)
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("one_rank")
     run_ranks(WORKER, [str(out), "zero2_zero3,zero3_zero3"], nprocs=0)  # plain `python`, no launcher
-    return _results(out, 1)
+    return rank_results.read(out, 1)
 
 
 def _matches_plain_pytorch(result: dict) -> None:

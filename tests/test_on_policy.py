@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+import rank_results
 from launch import ROOT, run_ranks
 
 WORKER = ROOT / "tests/workers/on_policy_scenarios.py"
 pytestmark = pytest.mark.multirank
 
 
-def _results(out: Path, ranks: int) -> dict[str, list[dict]]:
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
-            for name in {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}}
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("on_policy_two")
     run_ranks(WORKER, [str(out), "equivalence,fraction_zero,resume,seq_kd"], nprocs=2)
-    return _results(out, 2)
+    return rank_results.read(out, 2)
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("on_policy_one")
     run_ranks(WORKER, [str(out), "equivalence,resume"], nprocs=0)
-    return _results(out, 1)
+    return rank_results.read(out, 1)
 
 
 def _check_equivalence(result: dict) -> None:

@@ -358,7 +358,23 @@ def _collate(rows: Mapping[str, Sequence[Sequence[int]]]) -> Batch:
 class EpochLoader:
     """What a loader that cuts each epoch into ``num_batches`` micro-batches shares: iteration from its saved
     :class:`LoaderPosition`, and that position as its state (so a resumed run continues at the same batch).
-    A subclass gives ``position``, ``num_batches``, ``epoch_order(epoch)`` and ``batch(epoch, index, order)``."""
+    A subclass calls ``__init__`` and gives ``epoch_order(epoch)`` and ``batch(epoch, index, order)``."""
+
+    def __init__(self, dataset: datasets.Dataset, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool, drop_last: bool) -> None:
+        """The settings every loader keeps, and ``num_batches``: whole global batches of ``world_size *
+        micro_batch_size`` rows, plus a last partial one without ``drop_last`` (a subclass checks its data first)."""
+        self.dataset = dataset.with_format(None)
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.position = LoaderPosition()
+        whole, rest = divmod(len(dataset), world_size * micro_batch_size)
+        self.num_batches = whole + (1 if rest and not drop_last else 0)
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch, the same on every rank."""
+        return self.num_batches
 
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the current epoch from :attr:`position`; the position then moves to the next epoch."""
@@ -412,17 +428,7 @@ class BlockLoader(EpochLoader):
             )
         if len(dataset) == 0:
             raise DataError("the dataset has no blocks: check the data files and data.text_field")
-        self.dataset = dataset.with_format(None)
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.position = LoaderPosition()
-        whole, rest = divmod(len(dataset), global_batch)
-        self.num_batches = whole + (1 if rest and not drop_last else 0)
-
-    def __len__(self) -> int:
-        """Micro-batches per epoch, the same on every rank."""
-        return self.num_batches
+        super().__init__(dataset, micro_batch_size, rank, world_size, seed, shuffle, drop_last)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Block indices of ``epoch`` in the order the ranks consume them, fixed by ``seed`` and ``epoch``."""

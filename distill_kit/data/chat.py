@@ -67,7 +67,6 @@ from distill_kit.data.blocks import (
     IGNORE_INDEX,
     DataConfig,
     EpochLoader,
-    LoaderPosition,
     _as_list,
     _check_rank,
     load_text,
@@ -526,18 +525,8 @@ class ChatLoader(EpochLoader):
                 f"the data has {len(dataset)} conversations but one global batch needs world_size ({world_size}) x "
                 f"micro_batch_size ({micro_batch_size}) = {global_batch}: use more data, a smaller micro-batch "
                 "or fewer ranks")
-        self.dataset = dataset.with_format(None)
-        self.lengths = list(self.dataset["length"])
-        self.micro_batch_size, self.pad_id = micro_batch_size, pad_id
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.position = LoaderPosition()
-        whole, rest = divmod(len(dataset), global_batch)
-        self.num_batches = whole + (1 if rest and not drop_last else 0)
-
-    def __len__(self) -> int:
-        """Micro-batches per epoch, the same on every rank."""
-        return self.num_batches
+        super().__init__(dataset, micro_batch_size, rank, world_size, seed, shuffle, drop_last)
+        self.lengths, self.pad_id = list(self.dataset["length"]), pad_id
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Row indices of ``epoch``, global batch after global batch (a partial one last).
