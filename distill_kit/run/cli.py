@@ -249,6 +249,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
+    if config.task.name is not None and config.teachers is not None:
+        raise ConfigError(f"task.name: the {config.task.name} benchmark compares recipes of one teacher; give it "
+                          "teacher: instead of teachers:")
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
         from distill_kit.tasks import compare
         return compare.run(config, resume)
