@@ -163,6 +163,7 @@ def _main_error(*args: str) -> str:
     (lambda t: [*_teachers(t), "combine=mixture", "--students", "[{name: s, init: {n_layer: 1}, loss: hidden_mse}]"],
      "students[s].loss with combine: mixture: combine: mixture averages the teachers' distributions; hidden-state"),
     (lambda t: [f"teacher={t['a']}", "combine=mixture"], "combine: mixture combines several teachers; give them as"),
+    (lambda t: ["teacher=null"], "teacher: none given; give teacher: path/to/teacher, or several as teachers:"),
     (lambda t: [*_teachers(t), "task.name=arithmetic"],
      "task.name: the arithmetic benchmark compares recipes of one teacher; give it teacher: instead of teachers:"),
     (lambda t: [*_teachers(t), "student_tokenizer=bpe:300"],
