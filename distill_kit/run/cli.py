@@ -30,6 +30,7 @@ from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint, preemption
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.student_spec import StudentSpec
+from distill_kit.training.teachers import TaughtStudent
 
 logger = logging.getLogger("distill_kit")
 
@@ -180,6 +181,28 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
     return train, blocks.BlockLoader(heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
 
 
+def build_group(config: RunConfig, specs: list[StudentSpec], vocab_map: Any = None) -> Any:
+    """The students' group: several students of ``teacher`` (:class:`MultiStudentDistiller`), or one student of
+    ``teachers`` (:class:`~distill_kit.training.teachers.TaughtStudent`, its weighted sum or mixture); both give the
+    run the same interface (``students``, ``train``, ``evaluate``, ``export``, checkpoints)."""
+    group = {"training": config.training, "teacher_ds_config": config.teacher_ds_config,
+             "teacher_ds_overrides": config.teacher_ds_overrides, "student_ds_config": config.student_ds_config,
+             "student_ds_overrides": config.student_ds_overrides}
+    if not config.teachers:
+        return MultiStudentDistiller(config.teacher, specs, vocab_map=vocab_map, **group)
+    (student,) = specs  # validate: one student
+    return TaughtStudent(student, [dataclasses.asdict(t) for t in config.teachers], combine=config.combine, **group)
+
+
+def teacher_records(config: RunConfig, students: Any) -> list[dict[str, Any]]:
+    """Every teacher as the report records it: name, source, weight and weights' sha256 (as the checkpoints do)."""
+    if not config.teachers:
+        return [{"name": "teacher", "model": config.teacher, "weight": 1.0, "sha256": students.teacher_sha256}]
+    identities = students.distiller.teacher_identities
+    return [{"name": t.name, "model": t.model, "weight": t.weight, "sha256": identities[t.name]}
+            for t in config.teachers]
+
+
 def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
     """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
@@ -226,11 +249,16 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
+    if config.task.name is not None and config.teachers is not None:
+        raise ConfigError(f"task.name: the {config.task.name} benchmark compares recipes of one teacher; give it "
+                          "teacher: instead of teachers:")
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
         from distill_kit.tasks import compare
         return compare.run(config, resume)
     out = Path(config.output_dir)
-    validate.validate(config, resume, run_identity(config))
+    identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
+    validate.validate(config, resume, identity)
+    config = run_config.lead_teacher(config)  # with teachers, the first stands for "the teacher" from here on
     with _input_errors("data"):
         data_config = prepare_data(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
@@ -239,7 +267,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
             tokenizer = own.tokenizer
         train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
     if distributed.is_main():  # rank 0 claims the folder; validate found it fit
-        checkpoint.check_output_dir(out, run_identity(config), resume=resume)
+        checkpoint.check_output_dir(out, identity, resume=resume)
         checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
         if own is not None:
             own.save(out)
@@ -247,16 +275,10 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
     with _input_errors("DeepSpeed config"):
-        students = MultiStudentDistiller(
-            config.teacher, specs, training=config.training,
-            teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
-            student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
-            vocab_map=own and own.vocab_map,
-        )
+        students = build_group(config, specs, own and own.vocab_map)
     if resume and students.resume() is None:  # validate found one; it went away since
         raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
-    log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to,
-                 params=run_config.to_dict(config))
+    log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to, params=params)
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:
@@ -265,6 +287,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                   f"Continue with: --output_dir {out} --resume")
         return None
     students.export(out / "students", tokenizer)
+    teachers = teacher_records(config, students)  # on every rank: a ZeRO-3 teacher's hash gathers its shards
     summary = None
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
@@ -275,10 +298,11 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         extra = {"seconds": time.time() - started, "world_size": distributed.world_size(), "tokens_per_step": tokens,
                  # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
                  "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
-                                       "teacher": students.teacher_ds_config}}
+                                       "teacher": students.teacher_ds_config},
+                 "teachers": teachers}
         inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
                  for s in config.students}
-        summary = report.write(out, run_config.to_dict(config), losses, histories, log.evaluations(), extra, inits)
+        summary = report.write(out, params, losses, histories, log.evaluations(), extra, inits)
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)

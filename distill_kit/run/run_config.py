@@ -86,6 +86,22 @@ class StudentConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """One of several frozen teachers of the one student (``teachers: [...]``), each its own engine."""
+
+    name: str | None = None
+    """A label for the logs (``<student>/<name>``), the report and the checkpoints' record of teacher identities."""
+    model: str | None = None
+    """A save_pretrained directory or hub name; it must use the student's tokenizer (logits are compared id by id)."""
+    weight: float = 1.0
+    """Its weight in the sum of losses, or its share of the mixture (normalised there); >= 0, one of them > 0."""
+    ds_config: str | None = None
+    """Its DeepSpeed config; None takes teacher_ds_config (ZeRO-3: each teacher sharded across the ranks)."""
+    ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys for this teacher only, over teacher_ds_overrides."""
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
 
@@ -99,8 +115,17 @@ class EvalConfig:
 class RunConfig:
     """A whole distillation run. The defaults are the embedded default: it runs offline on 2 CPU cores."""
 
-    teacher: str = str(DEFAULT_TEACHER)
-    """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher)."""
+    teacher: str | None = str(DEFAULT_TEACHER)
+    """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher). Left
+    out when teachers is given (giving both is an error)."""
+    teachers: tuple[TeacherConfig, ...] | None = None
+    """Several frozen teachers of one student, instead of teacher: [{name, model, weight, ds_config}, ...]. The
+    first stands for "the teacher" where one model is meant (tokenizer, a student's init, init_from_teacher);
+    evaluation compares the student with their weighted mixture. None: the one teacher of teacher."""
+    combine: Literal["sum", "mixture"] = "sum"
+    """With teachers: sum (sum_k w_k loss(student, teacher_k); needed by hidden-state and attention losses, and
+    usual for teachers weighted by skill) or mixture (the loss against sum_k w_k p_k, the ensemble target of Hinton
+    et al. 2015; suits peers on one task, and reverse KL/JSD). Same gradient for forward KL (README)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
     student_tokenizer: str | None = None
@@ -165,7 +190,9 @@ def _is_dataclass_type(tp: Any) -> bool:
 
 
 def _student_type(tp: Any) -> Any:
-    """The dataclass inside ``tuple[X, ...]``, else None."""
+    """The dataclass inside ``tuple[X, ...]`` (or ``tuple[X, ...] | None``), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next((a for a in typing.get_args(tp) if a is not type(None)), None)
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if args and _is_dataclass_type(args[0]):
@@ -394,8 +421,21 @@ def load(config_file: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"run config {str(path)!r} must be a mapping of keys to values")
         tree = _merge(tree, loaded)
-    tree = _merge(tree, parse_overrides(overrides))
+    else:
+        loaded = {}
+    given = _merge(dict(loaded), parse_overrides(overrides))
+    tree = _merge(tree, given)
+    if given.get("teachers") is not None and "teacher" not in given:
+        tree["teacher"] = None  # the default teacher gives way to the user's teachers; both given is an error
     return build(RunConfig, tree)
+
+
+def lead_teacher(config: RunConfig) -> RunConfig:
+    """The config with ``teacher`` set to the first of ``teachers``: the model that stands for "the teacher" where
+    one is meant (the tokenizer, a student's ``init``, ``init_from_teacher``). Unchanged without ``teachers``."""
+    if not config.teachers or config.teacher is not None:
+        return config
+    return dataclasses.replace(config, teacher=config.teachers[0].model)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -24,10 +24,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed, peft_student
-from distill_kit.run import student_tokenizer, trackers
+from distill_kit.run import run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
+from losses import build_loss
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
 # Adam's two moments (ZeRO-2/3 save all three in fp32).
@@ -293,12 +294,133 @@ CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
+def check_teachers(config: RunConfig) -> list[str]:
+    """``teacher`` or ``teachers`` (not both, not neither); with ``teachers``: well-formed entries (names, models,
+    weights), one student, one tokenizer for all, each teacher's folder and DeepSpeed config, and a loss that
+    ``combine`` can combine. Reads the config as given (``load`` leaves ``teacher`` out when ``teachers`` is given)."""
+    from distill_kit.training import teachers as multi_teacher  # the Distiller and DeepSpeed: only when needed
+
+    if config.teachers is None:
+        if config.teacher is None:
+            return ["teacher: none given; give teacher: path/to/teacher, or several as teachers: [{name, model, "
+                    "weight}, ...]"]
+        if config.combine != "sum":
+            return [f"combine: {config.combine} combines several teachers; give them as teachers: [...], or drop "
+                    "combine"]
+        return []
+    if config.teacher is not None:
+        return [f"teacher ({config.teacher!r}) and teachers are both given: a run has one teacher (teacher:) or "
+                "several (teachers:); drop teacher:, or add it to teachers: as one more entry"]
+    problems = []
+    missing = [f"teachers[{i}]" for i, t in enumerate(config.teachers) if t.name is None or t.model is None]
+    if missing:
+        return [f"{', '.join(missing)}: every teacher needs a name and a model, e.g. {{name: big, model: "
+                "path/to/teacher, weight: 1.0}"]
+    try:
+        specs = multi_teacher.teacher_specs([{"name": t.name, "model": t.model, "weight": t.weight}
+                                             for t in config.teachers])
+    except ValueError as err:
+        return [f"teachers: {err}"]
+    if len(config.students) != 1:
+        problems.append(
+            f"teachers: several teachers teach one student, but students has {len(config.students)} "
+            f"({', '.join(s.name for s in config.students)}): keep one entry in students (e.g. students: [{{name: "
+            "distilled, init_from_teacher: {every: 2}}]), or distil the others in their own runs")
+    if config.student_tokenizer is not None:
+        problems.append("student_tokenizer with teachers: distilling across tokenizers (cross_tokenizer) takes one "
+                        "teacher; drop student_tokenizer (every teacher then shares the students' tokenizer), or "
+                        "distil from one teacher with teacher: and student_tokenizer")
+    sources = [(f"teachers[{t.name}].model", t.model) for t in config.teachers[1:]]  # the first is check_models'
+    for kind, path in sources:
+        if _local(path) and not (Path(path) / "config.json").is_file():
+            problems.append(f"{kind}: {path!r} is not a save_pretrained directory (no config.json); give one, or a "
+                            "hub name")
+    if problems:
+        return problems
+    problems += _teacher_tokenizers(config)
+    lead = run_config.lead_teacher(config)
+    students = Start(lead, False, {}).students()
+    trained = {f"student {s.name!r}": deepspeed_config.TrainedConfig(
+        s.ds_config or config.student_ds_config,
+        config.training if s.lr is None else dataclasses.replace(config.training, lr=s.lr),
+        _hidden_size(students[s.name]) if students[s.name] is not None else None,
+        {**config.student_ds_overrides, **s.ds_overrides}) for s in config.students}
+    configs = {t.name: _read_config(t.model) for t in config.teachers}
+    for teacher in config.teachers:
+        if configs[teacher.name] is None:
+            continue
+        try:
+            deepspeed_config.prepare_group(
+                trained, teacher.ds_config or config.teacher_ds_config,
+                teacher_hidden_size=_hidden_size(configs[teacher.name]), world_size=distributed.world_size(),
+                teacher_overrides={**config.teacher_ds_overrides, **teacher.ds_overrides})
+        except (deepspeed_config.DeepSpeedConfigError, ValueError, TypeError) as err:
+            problems.append(f"teachers[{teacher.name}]: {err}")
+    student, first = config.students[0], configs[specs[0].name]
+    if config.combine == "mixture" and students[student.name] is not None and first is not None:
+        try:
+            multi_teacher.mixture_temperature(build_loss(
+                student.loss, **{f"student_{k}": v for k, v in _facts(students[student.name]).items()},
+                **{f"teacher_{k}": v for k, v in _facts(first).items()}))
+        except (ValueError, TypeError) as err:
+            problems.append(f"students[{student.name}].loss with combine: mixture: {err}")
+    return problems
+
+
+def _teacher_tokenizers(config: RunConfig) -> list[str]:
+    """Every teacher reads the run's tokenizer (the first teacher's, or ``tokenizer``): the same vocabulary, and
+    a model vocabulary no smaller than the students'. Folders without a tokenizer are compared by vocabulary size."""
+    from transformers import AutoTokenizer
+
+    reference = config.tokenizer or config.teachers[0].model
+    try:
+        vocabulary = AutoTokenizer.from_pretrained(reference).get_vocab()
+    except Exception:  # noqa: BLE001 - check_models names a folder without a tokenizer
+        return []
+    problems = []
+    for teacher in config.teachers:
+        folder = Path(teacher.model)
+        if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+            theirs = AutoTokenizer.from_pretrained(teacher.model).get_vocab()
+            if theirs != vocabulary:
+                problems.append(
+                    f"teachers[{teacher.name}]: its tokenizer differs from the run's ({reference!r}: {len(vocabulary)} "
+                    f"tokens; {teacher.model!r}: {len(theirs)}, or other ids). Several teachers are compared with the "
+                    "student token id by token id: use teachers that share the student's tokenizer (distilling across "
+                    "tokenizers, loss cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
+                continue
+        size = getattr(_read_config(teacher.model), "vocab_size", None)
+        if size is not None and size < len(vocabulary):
+            problems.append(f"teachers[{teacher.name}]: its vocabulary ({size}) is smaller than the run's tokenizer "
+                            f"({len(vocabulary)} tokens): it cannot share the student's tokenizer. Use a teacher "
+                            "with the student's tokenizer")
+    return problems
+
+
+def _read_config(source: str) -> PretrainedConfig | None:
+    """A model's config, or None when it cannot be read (``check_models`` and ``check_teachers`` say why)."""
+    try:
+        return AutoConfig.from_pretrained(source)
+    except Exception:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        return None
+
+
+def _facts(config: PretrainedConfig) -> dict[str, int | None]:
+    """What a loss is sized by (``models.facts``), from a config already read."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"hidden_size": _hidden_size(config),
+            "num_layers": getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)}
+
+
 def validate(config: RunConfig, resume: bool, identity: dict[str, Any]) -> None:
-    """Run every check on rank 0; raise one ConfigError listing every problem, on every rank. Writes nothing."""
+    """Run every check on rank 0; raise one ConfigError listing every problem, on every rank. Writes nothing.
+
+    ``check_teachers`` reads the config as given; the other checks see the first of ``teachers`` as the teacher."""
     problems: list[str] = []
     if distributed.is_main():
-        start = Start(config, resume, identity)
-        for check in CHECKS:
+        problems = check_teachers(config)
+        start = Start(run_config.lead_teacher(config), resume, identity)
+        for check in CHECKS if start.config.teacher is not None else []:
             problems += check(start)
     problems = distributed.broadcast_object(problems)
     if problems:

@@ -293,8 +293,11 @@ def save(
         return final
     try:
         for folder, engine in engines.items():  # a PEFT student's frozen base is not saved: its sha256 is, below
-            adapters_only = {"exclude_frozen_parameters": True} if _is_peft(engine) else {}
-            engine.save_checkpoint(str(partial), tag=folder, save_latest=False, **adapters_only)
+            if _is_peft(engine):
+                with _without_frozen_aliases(engine):
+                    engine.save_checkpoint(str(partial), tag=folder, save_latest=False, exclude_frozen_parameters=True)
+            else:
+                engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
         partial.mkdir(parents=True, exist_ok=True)
         _write_rank_state(partial, distributed.rank(), rank_state)
     except (OSError, RuntimeError) as err:  # DeepSpeed's C++ writer says only "basic_ios::clear: iostream error"
@@ -318,6 +321,32 @@ def save(
         _prune(directory, keep_last, written=final)
     distributed.barrier()  # no rank runs ahead of a checkpoint that is not yet in place
     return final
+
+
+@contextmanager
+def _without_frozen_aliases(engine: deepspeed.DeepSpeedEngine) -> Iterator[None]:
+    """While saving, the engine's module state leaves out every name of every frozen parameter.
+
+    DeepSpeed's ``exclude_frozen_parameters`` deletes the names ``named_parameters()`` yields, and that skips a
+    shared tensor's second name: a model with tied embeddings (GPT-2, most small Llamas and Qwens) would keep its
+    frozen embedding, as ``lm_head.weight``, in every checkpoint of a PEFT student (vocabulary x width: often more
+    than the adapters). It is frozen and comes back from the base on resume (loaded non-strict), like the rest.
+    """
+    frozen = {name for name, param in engine.module.named_parameters(remove_duplicate=False)
+              if not param.requires_grad}
+    full = engine.module_state_dict
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        state = full(*args, **kwargs)
+        for name in frozen & set(state):
+            del state[name]
+        return state
+
+    engine.module_state_dict = module_state_dict
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
 
 
 def remove_leftovers(directory: str | Path) -> None:

@@ -34,14 +34,14 @@ import torch
 from torch import nn
 
 from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
-from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines import deepspeed_config, distributed, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.models import ModelSource
-from distill_kit.run import evaluation
+from distill_kit.run import evaluation, export
 from distill_kit.training import checkpoint
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Trainer
-from distill_kit.training.student_spec import spec_from
+from distill_kit.training.student_spec import StudentSpec, spec_from, student_specs
 from losses import DistillationLoss, LossOutput, build_loss
 from losses.base import LogitLoss
 from losses.composite import WeightedSum
@@ -131,7 +131,7 @@ class TeacherEnsembleLoss(DistillationLoss):
         # the mixture is built over the full vocabulary, next to the student's full logits.
         self.needs_full_logits = combine == "mixture" or any(loss.needs_full_logits for loss in self.losses.values())
         if combine == "mixture":
-            self.temperature = _one_temperature(next(iter(self.losses.values())))
+            self.temperature = mixture_temperature(next(iter(self.losses.values())))
             total = sum(self.weights.values())
             self.shares = {name: weight / total for name, weight in self.weights.items()}
 
@@ -155,7 +155,7 @@ class TeacherEnsembleLoss(DistillationLoss):
         return SimpleNamespace(logits=logits)
 
 
-def _one_temperature(loss: DistillationLoss) -> float:
+def mixture_temperature(loss: DistillationLoss) -> float:
     """The temperature of a loss's teacher terms; a mixture is formed at one temperature, so they must agree."""
     terms = loss.terms.values() if isinstance(loss, WeightedSum) else [loss]
     if any(term.needs_hidden_states or term.needs_attentions for term in terms):
@@ -203,9 +203,15 @@ class MultiTeacherDistiller(Distiller):
                 student_hidden_size=student_facts["hidden_size"], teacher_hidden_size=models.hidden_size(spec.model),
                 world_size=distributed.world_size(), student_overrides=student_ds_overrides,
                 teacher_overrides={**(teacher_ds_overrides or {}), **spec.ds_overrides})
+        for spec in specs:
+            kernels.check_model_type(self.training.teacher_kernels, models.model_type(spec.model),
+                                     f"training.teacher_kernels (teacher {spec.name!r})")
+        self.teacher_ds_configs = configs
+        """Each teacher's DeepSpeed config as its engine was given it, by name."""
         self.teachers: dict[str, nn.Module] = {}
         for spec in specs:  # the teachers load first, one after another, each into its own shards
             model = models.load(spec.model, configs[spec.name], self.training.dtype, ensemble.needs_attentions)
+            kernels.apply(model, self.training.teacher_kernels, "training.teacher_kernels")  # as a lone teacher's
             self.teachers[spec.name] = build_teacher(model, configs[spec.name], self.training.dtype, self.device)
         first = specs[0]
         super().__init__(student, first.model, loss=ensemble, training=self.training,
@@ -251,3 +257,61 @@ class MultiTeacherDistiller(Distiller):
                                                 max_batches)
         finally:
             self.student.train()
+
+
+class TaughtStudent(Trainer):
+    """One student of several teachers as a named group: what ``scripts/distill.py`` runs for ``teachers: [...]``.
+
+    It gives the :class:`MultiTeacherDistiller` inside the interface of a
+    :class:`~distill_kit.training.multi_student.MultiStudentDistiller` of one student, so the CLI's loop, logs,
+    checkpoints and export do not change: records ``<name>/loss``, ``<name>/<teacher>``; checkpoints keep the engine
+    in ``step_N/<name>`` and every teacher's identity in the manifest; ``evaluate`` returns ``{"teacher": ..., <name>:
+    ...}`` with the teachers' weighted mixture as the teacher. The step is the Distiller's ``training_step``.
+    """
+
+    def __init__(
+        self,
+        student: StudentSpec | Mapping[str, Any],
+        teachers: Sequence[TeacherSpec | Mapping[str, Any]],
+        *,
+        combine: Combine = "sum",
+        training: TrainingConfig | None = None,
+        student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
+        teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
+        student_ds_overrides: Mapping[str, Any] | None = None,
+        teacher_ds_overrides: Mapping[str, Any] | None = None,
+    ):
+        super().__init__(training)
+        (spec,) = student_specs([student])
+        self.name = spec.name
+        self.distiller = MultiTeacherDistiller(
+            spec.model, teachers, loss=spec.loss, combine=combine, training=spec.training(self.training),
+            student_ds_config=spec.ds_config or student_ds_config, teacher_ds_config=teacher_ds_config,
+            student_ds_overrides={**(student_ds_overrides or {}), **spec.ds_overrides},
+            teacher_ds_overrides=teacher_ds_overrides, peft=spec.peft)
+        self.students: dict[str, Distiller] = {spec.name: self.distiller}
+        self.teacher = self.distiller.teacher
+        self.teacher_ds_config = self.distiller.teacher_ds_configs
+
+    @property
+    def teacher_sha256(self) -> str:
+        """Every teacher's name and weight hash, as the checkpoints record them (``MultiTeacherDistiller``)."""
+        return self.distiller.teacher_sha256
+
+    def engines(self) -> dict[str, Any]:
+        return {self.name: self.distiller.student}
+
+    def make_batch(self, batch: Batch) -> Batch:
+        return self.distiller.make_batch(batch)
+
+    def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
+        return {self.name: self.distiller.training_step(batch)}
+
+    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
+        metrics = self.distiller.evaluate(batches, max_batches)
+        return {"teacher": metrics["teacher"], self.name: metrics["student"]}
+
+    def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
+        """The bare student as ``<directory>/<name>`` (a PEFT student's adapter folder, and ``merged`` on request)."""
+        return {self.name: export.export_student(self.distiller.student_model, Path(directory) / self.name, tokenizer,
+                                                 merged=self.distiller.export_merged)}

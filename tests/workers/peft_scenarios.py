@@ -146,6 +146,8 @@ def resume_and_export(out: Path, teacher_dir: Path, student_dir: Path, other_stu
         "whole_losses": [h["loss"] for h in whole_history][2:], "resumed_losses": [h["loss"] for h in resumed_history],
         "resumed_diff": max_diff(adapters(resumed.student_model), adapters(whole.student_model)),
         "module_keys": module_keys,
+        "tied_head": resumed.student_model.get_output_embeddings().weight
+        is resumed.student_model.get_input_embeddings().weight,
         "refusal": refusal,
         "export_files": sorted(p.name for p in (out / "export").iterdir()),
         "merged_has_lora": any("lora" in n for n, _ in merged.named_parameters()),
