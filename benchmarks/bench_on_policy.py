@@ -4,33 +4,42 @@ Two measurements, on random-initialised models (speed depends on shapes, not wei
 
 * ``generate``: new tokens/s per GPU of the student's sampler (``training/on_policy.py``: HF ``generate`` on the
   bare model), ``--prompt-len`` prompt tokens and ``--new-tokens`` sampled tokens per row (a random model almost
-  never samples its end token, so every row runs to the end), static and dynamic KV cache, at each
+  never samples its end token, so every row runs to the end), for each ``--gen-cache`` variant at each
   ``--gen-batch``;
-* ``step``: the Distiller with its ZeRO-2 student and ZeRO-3 teacher on rows of ``prompt + answer``: off-policy
-  (the data's answers) and on-policy (fraction 1: the student samples the answers, the teacher scores them).
-  Reported per GPU: trained tokens/s (answer tokens the loss counts, and all tokens forwarded), and the share of
-  the on-policy step spent generating.
+* ``step``: the Distiller with its ZeRO-2 student and ZeRO-3 teacher on rows of ``prompt + answer``, one run per
+  ``--runs`` entry ``mode/micro_batch/gradient_accumulation/generation_batch_size``: mode ``off`` (the data's
+  answers) or ``on`` (fraction 1: the student samples every answer, the teacher scores them); the runs share one
+  teacher engine. Reported per GPU: trained tokens/s (answer tokens the loss counts, and all tokens forwarded),
+  and the share of the step spent making its batches (sampling).
 
-GPU (one command per machine; results in benchmarks/RESULTS.md)::
+Results go to ``<out>/<name>.json``, rewritten after each measurement (a run cut short keeps what it measured).
 
-    torchrun --nproc_per_node 2 benchmarks/bench_on_policy.py --pair qwen2-7b-0.5b --out runs/on_policy
+GPU (one H200, as recorded in benchmarks/RESULTS.md; ``torchrun --nproc_per_node N`` on N GPUs)::
+
+    python benchmarks/bench_on_policy.py --pair qwen2-7b-0.5b --gen-batch 256 384 512 \
+        --gen-cache static static-repeat-kv static-eager --out runs/on_policy --name gen --skip step
+    python benchmarks/bench_on_policy.py --pair qwen2-7b-0.5b --skip generate \
+        --runs off/16/1/0 on/16/1/0 off/16/4/0 on/16/4/64 --warmup 1 --steps 3 --out runs/on_policy --name step
 
 CPU smoke::
 
-    python benchmarks/bench_on_policy.py --pair tiny --prompt-len 8 --new-tokens 8 --gen-batch 2 --micro-batch 2 \\
-        --warmup 1 --steps 1 --dtype fp32 --out /tmp/bench_on_policy
+    python benchmarks/bench_on_policy.py --pair tiny --prompt-len 8 --new-tokens 8 --gen-batch 2 3 \
+        --gen-cache static dynamic static-eager --runs off/2/1/0 on/2/1/0 on/2/2/3 --warmup 1 --steps 1 \
+        --dtype fp32 --out /tmp/bench_on_policy
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import pairs
 import torch
+import transformers
 
 from distill_kit import Distiller, TrainingConfig
 from distill_kit.distiller import CONFIG_DIR
@@ -48,82 +57,112 @@ def prompts(batch: int, length: int, vocab: int, seed: int, device: torch.device
     return list(torch.randint(0, vocab, (batch, length), generator=generator).to(device))
 
 
-def measure_generation(args, device: torch.device) -> list[dict]:
-    """New tokens/s of the student's sampler at each batch, static and dynamic cache (first call warms up)."""
+def measure_generation(args, device: torch.device, record) -> list[dict]:
+    """New tokens/s of the student's sampler at each batch and cache (the first call warms up: it compiles the
+    static cache's decode step, which transformers does for each new batch size). ``static-repeat-kv`` is the
+    static cache without ``on_policy.sdpa_gqa`` (each key/value head repeated per query head, transformers' default
+    under compilation); ``static-eager`` the static cache with transformers' automatic compilation off
+    (``generation_config.disable_compile``)."""
     pair = pairs.PAIRS[args.pair]
     model = pairs.build(pair.student, {}, args.dtype, device, "sdpa").eval()
     results = []
     for batch in args.gen_batch:
-        for cache in ("static", "dynamic"):
-            config = OnPolicyConfig(fraction=1.0, max_new_tokens=args.new_tokens, temperature=1.0, cache=cache,
+        for variant in args.gen_cache:
+            config = OnPolicyConfig(fraction=1.0, max_new_tokens=args.new_tokens, temperature=1.0,
+                                    cache="dynamic" if variant == "dynamic" else "static",
+                                    sdpa_gqa=variant != "static-repeat-kv",
                                     eos_token_id=pair.student.vocab_size - 1, pad_token_id=0)
+            model.generation_config.disable_compile = variant == "static-eager"
             sampler = Sampler(config, lambda: model)
             rows = prompts(batch, args.prompt_len, pair.student.vocab_size, args.seed, device)
-            sampler.generate(rows)  # warm-up (and compilation, for the static cache)
             sync(device)
             started = time.perf_counter()
-            samples = sampler.generate(rows)
+            sampler.generate(rows)  # warm-up (and compilation, for the static cache)
             sync(device)
-            seconds = time.perf_counter() - started
+            warmup = time.perf_counter() - started
+            timings = []
+            for _ in range(args.gen_repeats):
+                started = time.perf_counter()
+                samples = sampler.generate(rows)
+                sync(device)
+                timings.append(time.perf_counter() - started)
+            seconds = min(timings)
             new = sum(len(s) for s in samples)
-            results.append({"batch": batch, "cache": cache, "new_tokens": new, "seconds": seconds,
-                            "new_tokens_per_s": new / seconds})
+            results.append({"batch": batch, "cache": variant, "new_tokens": new, "seconds": seconds,
+                            "all_seconds": timings, "warmup_s": warmup, "new_tokens_per_s": new / seconds,
+                            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+                            else 0.0})
             print(json.dumps(results[-1]), flush=True)
+            record()
+    model.generation_config.disable_compile = False
     return results
 
 
 class Timed(Distiller):
-    """The Distiller, with the time spent in ``make_batch`` (the sampling) added up."""
+    """The Distiller, with the time spent making the step's batches (the sampling) added up."""
 
     make_batch_s = 0.0
 
-    def make_batch(self, batch):
+    def make_batches(self, batches):
         sync(self.device)
         started = time.perf_counter()
-        made = super().make_batch(batch)
+        made = super().make_batches(batches)
         sync(self.device)
         self.make_batch_s += time.perf_counter() - started
         return made
 
 
-def measure_step(args, device: torch.device, on_policy: bool) -> dict:
+def measure_step(args, device: torch.device, run: str, teacher, student) -> tuple[dict, Timed]:
+    """One run ``mode/micro_batch/accumulation/generation_batch``: mode ``off`` (the data's answers) or ``on``
+    (fraction 1: the student samples every answer). ``teacher`` is an engine from an earlier run, or None;
+    ``student`` a fresh student model built before any run (see ``main``)."""
+    mode, micro_batch, accumulation, generation_batch = run.split("/")
+    micro_batch, accumulation, generation_batch = int(micro_batch), int(accumulation), int(generation_batch)
+    on_policy = mode == "on"
     pair = pairs.PAIRS[args.pair]
     sampling = OnPolicyConfig(fraction=1.0 if on_policy else 0.0, max_new_tokens=args.new_tokens, temperature=1.0,
+                              generation_batch_size=generation_batch,
                               eos_token_id=pair.student.vocab_size - 1, pad_token_id=0)
-    training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch, dtype=args.dtype,
-                              lr=1e-5, log_every=10**9, on_policy=sampling)
+    training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=micro_batch,
+                              gradient_accumulation_steps=accumulation, dtype=args.dtype, lr=1e-5,
+                              log_every=10**9, on_policy=sampling)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
         CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
         student_hidden_size=pair.student.hidden_size, teacher_hidden_size=pair.teacher.hidden_size,
         world_size=distributed.world_size())
-    teacher = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, "sdpa")
-    student = pairs.build(pair.student, student_cfg, args.dtype, device, "sdpa")
-    distiller = Timed(student, teacher, loss="forward_kl", training=training, student_ds_config=student_cfg,
-                      teacher_ds_config=teacher_cfg)
+    teacher_model = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, "sdpa") if teacher is None else None
+    distiller = Timed(student, teacher_model if teacher is None else teacher.module, loss="forward_kl",
+                      training=training, student_ds_config=student_cfg, teacher_ds_config=teacher_cfg,
+                      shared_teacher=teacher)
     length = args.prompt_len + args.new_tokens
     generator = torch.Generator().manual_seed(args.seed + distributed.rank())
     batches = []
-    for _ in range(training.max_steps):
-        ids = torch.randint(1, pair.student.vocab_size - 1, (args.micro_batch, length), generator=generator)
+    for _ in range(training.max_steps * accumulation):
+        ids = torch.randint(1, pair.student.vocab_size - 1, (micro_batch, length), generator=generator)
         labels = ids.clone()
         labels[:, :args.prompt_len] = -100  # the prompt; on-policy replaces the answer with a sample
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
-    distiller.train(batches, until=args.warmup)
-    distiller.make_batch_s = 0.0
     sync(device)
+    started = time.perf_counter()
+    distiller.train(batches, until=args.warmup)
+    sync(device)
+    warmup = time.perf_counter() - started
+    distiller.make_batch_s = 0.0
     started = time.perf_counter()
     distiller.train(batches)
     sync(device)
     seconds = (time.perf_counter() - started) / args.steps
-    result = {"mode": "on-policy" if on_policy else "off-policy", "micro_batch": args.micro_batch,
-              "step_s": seconds, "answer_tokens_per_s_per_gpu": args.micro_batch * args.new_tokens / seconds,
-              "tokens_per_s_per_gpu": args.micro_batch * length / seconds,
-              "generating_share": distiller.make_batch_s / args.steps / seconds}
-    for engine in (distiller.student, distiller.teacher):
-        if hasattr(engine, "destroy"):
-            engine.destroy()
+    rows = micro_batch * accumulation
+    result = {"mode": "on-policy" if on_policy else "off-policy", "micro_batch": micro_batch,
+              "gradient_accumulation_steps": accumulation, "generation_batch_size": generation_batch,
+              "warmup_s": warmup, "step_s": seconds, "answer_tokens_per_s_per_gpu": rows * args.new_tokens / seconds,
+              "tokens_per_s_per_gpu": rows * length / seconds,
+              "generating_share": distiller.make_batch_s / args.steps / seconds,
+              "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
+    if hasattr(distiller.student, "destroy"):
+        distiller.student.destroy()  # the teacher engine stays: the next run shares it
     print(json.dumps(result), flush=True)
-    return result
+    return result, distiller
 
 
 def main() -> None:
@@ -131,26 +170,50 @@ def main() -> None:
     parser.add_argument("--pair", choices=sorted(pairs.PAIRS), default="qwen2-7b-0.5b")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--gen-batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--gen-batch", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--gen-cache", nargs="+", default=["static", "dynamic"],
+                        choices=["static", "static-repeat-kv", "static-eager", "dynamic"])
+    parser.add_argument("--gen-repeats", type=int, default=2, help="timed calls per point (the fastest is kept)")
+    parser.add_argument("--runs", nargs="+", default=["off/16/1/0", "on/16/1/0"],
+                        help="step runs, each mode/micro_batch/gradient_accumulation/generation_batch_size, "
+                             "mode off or on")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["generate", "step"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="on_policy", help="results go to <out>/<name>.json, rewritten after "
+                                                             "each measurement")
     args = parser.parse_args()
     device = distributed.init()
     results = {"command": " ".join(sys.argv), "world_size": distributed.world_size(),
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "env": {k: v for k, v in os.environ.items() if k.startswith(("TRANSFORMERS_", "TORCHINDUCTOR_"))},
+               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+    def record() -> None:
+        if distributed.is_main():
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+
+    record()
     if "generate" not in args.skip and distributed.is_main():
-        results["generate"] = measure_generation(args, device)
+        results["generate"] = []
+        results["generate"] = measure_generation(args, device, record)
+        record()
     distributed.barrier()
     if "step" not in args.skip:
-        results["step"] = [measure_step(args, device, on_policy=False), measure_step(args, device, on_policy=True)]
-    if distributed.is_main():
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "on_policy.json").write_text(json.dumps(results, indent=2))
+        # Every run's student is built before the first Distiller: Liger (the teacher's kernels) replaces the
+        # architecture's RMSNorm and MLP classes for the whole process, so a student built after it would carry
+        # Liger's modules (the library loads both models before patching either; a ZeRO-2 student is built whole).
+        students = [pairs.build(pairs.PAIRS[args.pair].student, {}, args.dtype, device, "sdpa") for _ in args.runs]
+        results["step"], teacher = [], None
+        for run, student in zip(args.runs, students, strict=True):
+            result, distiller = measure_step(args, device, run, teacher, student)
+            teacher = distiller.teacher
+            results["step"].append(result)
+            record()
 
 
 if __name__ == "__main__":

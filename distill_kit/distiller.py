@@ -31,7 +31,7 @@ from distill_kit.run import evaluation
 from distill_kit.training import nonfinite
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Batch, Trainer
-from distill_kit.training.on_policy import Sampler
+from distill_kit.training.on_policy import Sampler, student_kernels, teacher_liger
 from losses import DistillationLoss, LossOutput, build_loss
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -95,8 +95,10 @@ class Distiller(Trainer):
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         if shared_teacher is None:
-            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
-        kernels.apply(student_model, self.training.student_kernels, "training.student_kernels")
+            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels",
+                          liger=teacher_liger(self.training.on_policy))
+        kernels.apply(student_model, student_kernels(self.training.student_kernels, self.training.on_policy),
+                      "training.student_kernels")
         if vocab_map is None:
             check_vocabularies(student_model, teacher_model)
         if adapters is not None:
@@ -130,6 +132,13 @@ class Distiller(Trainer):
         """Each micro-batch as trained on, before the step counts its tokens (the loop calls it): with
         ``training.on_policy.fraction`` > 0 a share of its rows become prompt + sample (``on_policy.py``)."""
         return self.sampler(batch)
+
+    def make_batches(self, batches: list[Batch]) -> list[Batch]:
+        """A step's micro-batches: with ``training.on_policy.generation_batch_size`` set, the sampler samples all of
+        their chosen rows together (``make_batch`` is not called); otherwise each goes through ``make_batch``."""
+        if self.training.on_policy.generation_batch_size and self.training.on_policy.fraction > 0:
+            return self.sampler.many(batches)
+        return super().make_batches(batches)
 
     def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
         """The teacher reads its own tokens when its tokenizer differs (paired blocks carry ``teacher_input_ids``)."""

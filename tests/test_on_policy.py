@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("on_policy_two")
-    run_ranks(WORKER, [str(out), "equivalence,fraction_zero,resume,seq_kd"], nprocs=2)
+    run_ranks(WORKER, [str(out), "equivalence,equivalence_step,fraction_zero,resume,seq_kd"], nprocs=2)
     return rank_results.read(out, 2)
 
 
@@ -44,6 +44,19 @@ def test_two_ranks_sampling_different_lengths_match_plain_pytorch(two_ranks):
     assert results[0]["padded"] == results[1]["padded"]  # agreed shapes for the ZeRO-3 teacher
     assert any(a != b for a, b in zip(results[0]["unpadded"], results[1]["unpadded"], strict=True))
     assert sum(r["eos_ended"] for r in results) > 0  # some samples ended at the end token, which counts
+
+
+def test_step_sampled_together_in_fixed_size_calls_matches_plain_pytorch(two_ranks):
+    """generation_batch_size: a step's chosen rows of both micro-batches go through generate together, in calls of
+    the same size (the last padded), and train exactly as sampling each micro-batch alone would."""
+    for result in two_ranks["equivalence_step"]:
+        _check_equivalence(result)
+        assert result["generate_calls"] == [3, 3] * 3  # 4 rows a step, 3 steps
+    for alone in two_ranks["equivalence"]:
+        assert alone["generate_calls"] == [2] * 6  # one call per micro-batch
+    assert [r["padded"] for r in two_ranks["equivalence_step"]] == [r["padded"] for r in two_ranks["equivalence"]]
+    for together, alone in zip(two_ranks["equivalence_step"], two_ranks["equivalence"], strict=True):
+        assert together["losses"] == pytest.approx(alone["losses"], rel=1e-6)
 
 
 def test_one_rank_matches_plain_pytorch(one_rank):

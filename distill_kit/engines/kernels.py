@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -76,13 +77,14 @@ def resolve(choice: str, model: nn.Module, key: str = "kernels") -> str:
     return choice
 
 
-def apply(model: nn.Module, choice: str, key: str = "kernels") -> str:
-    """Patch ``model`` in place with the kernels ``choice`` resolves to; returns what was applied."""
+def apply(model: nn.Module, choice: str, key: str = "kernels", liger: Mapping[str, bool] | None = None) -> str:
+    """Patch ``model`` in place with the kernels ``choice`` resolves to; returns what was applied. ``liger``
+    overrides entries of ``LIGER_KERNELS`` (e.g. ``{"rope": False}``)."""
     applied = resolve(choice, model, key)
     if applied == "liger":
         patch = _liger_patchers()[model.config.model_type]
         accepted = inspect.signature(patch).parameters
-        patch(model=model, **{k: v for k, v in LIGER_KERNELS.items() if k in accepted})
+        patch(model=model, **{k: v for k, v in (LIGER_KERNELS | dict(liger or {})).items() if k in accepted})
     elif applied == "compile":
         for layer in _decoder_layers(model):
             layer.compile()

@@ -55,7 +55,8 @@ class TrainingConfig:
     SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
     on a GPU where Liger supports the architecture, else none."""
     student_kernels: kernels.Kernels = "auto"
-    """The same choice for the student(s)."""
+    """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
+    its compiled decode step's CUDA graphs: ``on_policy.student_kernels``)."""
     fused_loss: bool = True
     """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
     student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2

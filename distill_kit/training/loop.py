@@ -80,6 +80,11 @@ class Trainer:
         own by default (on-policy sampling replaces rows with samples: ``on_policy.py``)."""
         return batch
 
+    def make_batches(self, batches: list[Batch]) -> list[Batch]:
+        """A step's micro-batches as trained on: each through ``make_batch`` (on-policy sampling may sample the
+        whole step's rows together instead: ``on_policy.py``, ``generation_batch_size``)."""
+        return [self.make_batch(batch) for batch in batches]
+
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
@@ -106,8 +111,8 @@ class Trainer:
                         disable=not distributed.is_main(), dynamic_ncols=True)
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
-                step_batches = [self.make_batch(self._to_device(next(micro_batches)))
-                                for _ in range(self.training.gradient_accumulation_steps)]
+                step_batches = self.make_batches([self._to_device(next(micro_batches))
+                                                  for _ in range(self.training.gradient_accumulation_steps)])
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)
                 started = time.perf_counter()

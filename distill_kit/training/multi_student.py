@@ -32,6 +32,7 @@ from distill_kit.engines.models import ModelSource
 from distill_kit.run import evaluation, export
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Trainer
+from distill_kit.training.on_policy import teacher_liger
 from distill_kit.training.student_spec import StudentSpec, student_specs
 from losses import DistillationLoss, LossOutput, build_loss
 
@@ -89,7 +90,8 @@ class MultiStudentDistiller(Trainer):
         # The teacher loads first and once: it must never exist unsharded next to the students.
         need_attentions = any(loss.needs_attentions for loss in losses.values())
         teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
-        kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels")
+        kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels",
+                      liger=teacher_liger(self.training.on_policy))
         self.teacher = build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
         self.students: dict[str, Distiller] = {
             spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,
@@ -111,6 +113,12 @@ class MultiStudentDistiller(Trainer):
     def make_batch(self, batch: Batch) -> Batch:
         """The one student's samples when it is on-policy (several on-policy students are refused above)."""
         return next(iter(self.students.values())).make_batch(batch) if len(self.students) == 1 else batch
+
+    def make_batches(self, batches: list[Batch]) -> list[Batch]:
+        """The one student's step of samples (``Distiller.make_batches``), when there is one student."""
+        if len(self.students) == 1:
+            return next(iter(self.students.values())).make_batches(batches)
+        return super().make_batches(batches)
 
     def training_step(self, batch: Batch) -> dict[str, LossOutput]:
         """One micro-batch: the teacher's forward, then every student's half of the single-student step.

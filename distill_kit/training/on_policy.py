@@ -1,6 +1,7 @@
 """On-policy distillation (GKD) and sequence-level KD: a fraction of each micro-batch answered by a model's samples.
 
-The hook runs on each micro-batch before the step counts its tokens (``Trainer.make_batch``)::
+The hook runs on each micro-batch before the step counts its tokens (``Trainer.make_batch``; with
+``generation_batch_size`` set, on the step's micro-batches together, ``Trainer.make_batches``)::
 
     batch = self.make_batch(batch)            # a fraction of rows: prompt + sample, labels on the sample only
     teacher_out = self.teacher_forward(batch)
@@ -27,7 +28,9 @@ choice and sampling draw from the global torch generators, which every checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,6 +41,7 @@ from distill_kit.engines import distributed
 from losses.base import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
+FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 @dataclass
@@ -61,10 +65,22 @@ class OnPolicyConfig:
     """Nucleus sampling mass; 1 keeps the whole distribution (GKD samples from it unchanged)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
+    generation_batch_size: int = 0
+    """Rows per ``generate`` call. 0: each micro-batch samples its own rows, one call each. N > 0: the chosen rows
+    of all of a step's micro-batches (``gradient_accumulation_steps`` of them) are sampled together, in calls of
+    min(N, the step's rows) rows, the last padded with copies of a prompt, so that small micro-batches sample at
+    a large batch's speed (decoding a small student is bound by per-token overhead, not arithmetic; see
+    benchmarks/RESULTS.md) and a compiled static-cache decode step sees one batch size. Choose N dividing the
+    step's sampled rows: padding rows are decoded and thrown away."""
     cache: Literal["auto", "static", "dynamic"] = "auto"
     """KV cache of generation: 'auto' is static on an accelerator where the model supports it (1.8x the new
     tokens/s of a dynamic one for a 0.5B student at batch 256 on an H200, 4x at 64), dynamic on the CPU and for a
     ZeRO-3 teacher."""
+    sdpa_gqa: bool = True
+    """Decode with SDPA's own grouped-query attention on an accelerator (transformers' switch
+    ``TRANSFORMERS_SDPA_FORCE_GQA``, set only while ``generate`` runs): inside the compiled static-cache decode step
+    transformers otherwise copies every key/value head once per query head that shares it, at every token.
+    Measured for the 0.5B Qwen2-shaped student on an H200: 2.4x the new tokens/s at batch 256, 2.9x at 512."""
     eos_token_id: int | None = None
     """Token that ends a sample (counted); None reads the sampling model's generation config."""
     pad_token_id: int | None = None
@@ -79,12 +95,14 @@ class OnPolicyConfig:
             "top_p": 0.0 < self.top_p <= 1.0,
             "top_k": self.top_k >= 0,
             "cache": self.cache in ("auto", "static", "dynamic"),
+            "generation_batch_size": self.generation_batch_size >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
-                             "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0)")
+                             "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
+                             "generation_batch_size >= 0)")
 
 
 class Sampler:
@@ -98,12 +116,37 @@ class Sampler:
         self.config, self.model, self.synced = config, model, synced
 
     def __call__(self, batch: Mapping[str, Any]) -> Batch:
+        """One micro-batch, its chosen rows sampled in one call."""
         if self.config.fraction == 0:
             return dict(batch)
         rows = self.choose_rows(batch)
         prompts = [prompt_of(batch, int(row)) for row in rows]
         samples = self.generate(prompts if prompts or not self.synced else [prompt_of(batch, 0)])[:len(prompts)]
         return splice(batch, rows, prompts, samples, self.pad_token_id)
+
+    def many(self, batches: Sequence[Mapping[str, Any]]) -> list[Batch]:
+        """A step's micro-batches: each one's rows chosen in turn, then all chosen rows sampled together in calls of
+        ``generation_batch_size`` rows (0: each micro-batch alone, as ``__call__``)."""
+        if self.config.fraction == 0 or not self.config.generation_batch_size:
+            return [self(batch) for batch in batches]
+        rows = [self.choose_rows(batch) for batch in batches]
+        prompts = [[prompt_of(batch, int(row)) for row in chosen] for batch, chosen in zip(batches, rows, strict=True)]
+        samples = iter(self.generate_batched([p for group in prompts for p in group], prompt_of(batches[0], 0)))
+        return [splice(batch, chosen, group, [next(samples) for _ in group], self.pad_token_id)
+                for batch, chosen, group in zip(batches, rows, prompts, strict=True)]
+
+    def generate_batched(self, prompts: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
+        """``generate`` in calls of min(``generation_batch_size``, len(prompts)) rows, the last padded with copies
+        of ``filler``; a synced sampler makes as many calls as the rank with the most rows (at least one)."""
+        size = min(self.config.generation_batch_size, max(len(prompts), 1))
+        calls = -(-len(prompts) // size)
+        if self.synced:
+            calls = max(1, int(distributed.all_reduce_max(torch.tensor(calls, device=filler.device))))
+        samples: list[torch.Tensor] = []
+        for call in range(calls):
+            chunk = prompts[call * size:(call + 1) * size]
+            samples += self.generate(chunk + [filler] * (size - len(chunk)))[:len(chunk)]
+        return samples
 
     def choose_rows(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """``round(fraction * rows)`` row indices: prompts without answers first, each group in random order."""
@@ -135,7 +178,8 @@ class Sampler:
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:]
+            with sdpa_gqa(config.sdpa_gqa and ids.device.type != "cpu"):
+                out = model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:]
         finally:
             model.train(was_training)
         ended = (out == eos).int()
@@ -170,6 +214,45 @@ class Sampler:
             return self.config.pad_token_id
         pad = getattr(self.model().config, "pad_token_id", None)
         return int(pad) if pad is not None else self.eos_token_id
+
+
+@contextlib.contextmanager
+def sdpa_gqa(enabled: bool) -> Iterator[None]:
+    """While it lasts, transformers' SDPA attention passes grouped-query heads to SDPA as they are
+    (``enable_gqa``), also under a mask, instead of repeating each key/value head (``TRANSFORMERS_SDPA_FORCE_GQA``);
+    the variable's earlier value comes back after."""
+    if not enabled:
+        yield
+        return
+    before = os.environ.get(FORCE_GQA)
+    os.environ[FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[FORCE_GQA]
+        else:
+            os.environ[FORCE_GQA] = before
+
+
+def student_samples(config: OnPolicyConfig) -> bool:
+    return config.fraction > 0 and config.sampler == "student"
+
+
+def student_kernels(choice: str, config: OnPolicyConfig) -> str:
+    """The student's ``training.student_kernels`` when it samples: ``auto`` then means none. Liger's RMSNorm
+    kernel inside the compiled static-cache decode step makes torch.compile assume it mutates the weights, so the
+    step runs without CUDA graphs (measured on an H200, benchmarks/RESULTS.md). An explicit ``liger`` is kept."""
+    return "none" if choice == "auto" and student_samples(config) else choice
+
+
+def teacher_liger(config: OnPolicyConfig) -> dict[str, bool]:
+    """Liger options for the teacher when the student samples: no RoPE kernel. Liger's RoPE replaces a function of
+    the architecture's modeling file, so a student of the teacher's architecture runs it too, and in the student's
+    compiled decode step it breaks the graph in every layer: torch.compile recompiles the rest of the layer per
+    layer index until its limit (8) and runs the others eagerly, ~33 ms a token for a 0.5B student on an H200
+    (benchmarks/RESULTS.md). The teacher keeps Liger's RMSNorm and SwiGLU."""
+    return {"rope": False} if student_samples(config) else {}
 
 
 def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from distill_kit.run import evaluation, export
 from distill_kit.training import checkpoint
 from distill_kit.training.config import TrainingConfig
 from distill_kit.training.loop import Trainer
+from distill_kit.training.on_policy import teacher_liger
 from distill_kit.training.student_spec import StudentSpec, spec_from, student_specs
 from losses import DistillationLoss, LossOutput, build_loss
 from losses.base import LogitLoss
@@ -211,7 +212,8 @@ class MultiTeacherDistiller(Distiller):
         self.teachers: dict[str, nn.Module] = {}
         for spec in specs:  # the teachers load first, one after another, each into its own shards
             model = models.load(spec.model, configs[spec.name], self.training.dtype, ensemble.needs_attentions)
-            kernels.apply(model, self.training.teacher_kernels, "training.teacher_kernels")  # as a lone teacher's
+            kernels.apply(model, self.training.teacher_kernels, "training.teacher_kernels",  # as a lone teacher's
+                          liger=teacher_liger(self.training.on_policy))
             self.teachers[spec.name] = build_teacher(model, configs[spec.name], self.training.dtype, self.device)
         first = specs[0]
         super().__init__(student, first.model, loss=ensemble, training=self.training,
@@ -303,6 +305,9 @@ class TaughtStudent(Trainer):
 
     def make_batch(self, batch: Batch) -> Batch:
         return self.distiller.make_batch(batch)
+
+    def make_batches(self, batches: list[Batch]) -> list[Batch]:
+        return self.distiller.make_batches(batches)
 
     def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
         return {self.name: self.distiller.training_step(batch)}

@@ -62,10 +62,10 @@ class Recording(Distiller):
         super().__init__(*args, **kwargs)
         self.made: list[dict] = []
 
-    def make_batch(self, batch):
-        made = super().make_batch(batch)
-        self.made.append({k: v.detach().cpu().clone() for k, v in made.items() if torch.is_tensor(v)}
-                         | {"unpadded": int(made["attention_mask"].sum(1).max())})
+    def make_batches(self, batches):
+        made = super().make_batches(batches)
+        self.made += [{k: v.detach().cpu().clone() for k, v in batch.items() if torch.is_tensor(v)}
+                      | {"unpadded": int(batch["attention_mask"].sum(1).max())} for batch in made]
         return made
 
 
@@ -132,19 +132,26 @@ def mark_sampled(data: list[dict], made: list[dict]) -> None:
         trained["sampled"] = (~same).tolist()
 
 
-def equivalence(out: Path, teacher: Path, student: Path) -> None:
+def equivalence(out: Path, teacher: Path, student: Path, generation_batch_size: int = 0,
+                name: str = "equivalence") -> None:
     """Greedy on-policy reverse KL, fraction 2/3 (the prompt row and one answered row), against plain PyTorch."""
     plain = GPT2LMHeadModel.from_pretrained(student)
     first = rank_batches(1, 1, seed=5)[0]
     eos = greedy(plain, first["input_ids"][0, :int(first["attention_mask"][0].sum())], -1, NEW)[2]
-    on_policy = OnPolicyConfig(fraction=2 / 3, max_new_tokens=NEW, temperature=0.0, eos_token_id=eos, pad_token_id=0)
+    on_policy = OnPolicyConfig(fraction=2 / 3, max_new_tokens=NEW, temperature=0.0, eos_token_id=eos, pad_token_id=0,
+                               generation_batch_size=generation_batch_size)
     data = rank_batches(distributed.rank(), STEPS * GAS, seed=5)
     distiller = Recording(student, teacher, loss="reverse_kl", training=replace(TRAINING, on_policy=on_policy))
+    calls: list[int] = []  # rows of each generate call
+    model = distiller.student_model
+    generate = model.generate
+    model.generate = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(*args, **kwargs)
     history = distiller.train(data)
     mark_sampled(data, distiller.made)
     made = distributed.all_gather_object(distiller.made)
     ref_params, ref_losses, mismatched = reverse_kl_reference(student, teacher, made, eos)
-    write(out, "equivalence", {
+    write(out, name, {
+        "generate_calls": calls,
         "losses": [h["loss"] for h in history], "ref_losses": ref_losses, "mismatched_samples": mismatched,
         "max_param_diff": max_diff(gathered(distiller.student_model), ref_params),
         "max_param_change": max_diff(gathered(distiller.student_model), list(plain.parameters())),
@@ -155,6 +162,11 @@ def equivalence(out: Path, teacher: Path, student: Path) -> None:
         "counted_after_eos": sum(int(((b["labels"] == eos).int().cumsum(1) - (b["labels"] == eos).int() > 0)
                                      .logical_and(b["labels"] != -100).sum()) for b in distiller.made),
     })
+
+
+def equivalence_step(out: Path, teacher: Path, student: Path) -> None:
+    """The same, each step's 4 chosen rows (2 micro-batches x 2) sampled together in calls of 3 rows."""
+    equivalence(out, teacher, student, generation_batch_size=3, name="equivalence_step")
 
 
 def fraction_zero(out: Path, teacher: Path, student: Path) -> None:
