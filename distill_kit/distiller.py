@@ -159,8 +159,9 @@ class Distiller(Trainer):
         return self.loss(student_out, teacher_out, batch)
 
     def training_step(self, batch: Batch) -> LossOutput:
-        """One micro-batch: forwards, loss, backward; the engine steps the optimizer at the boundary."""
-        teacher_out = self.teacher_forward(batch)
+        """One micro-batch: forwards, loss, backward; the engine steps the optimizer at the boundary. A loss that never
+        reads the teacher (cross-entropy alone: SFT, sequence-level KD) skips its forward, on every rank alike."""
+        teacher_out = self.teacher_forward(batch) if self.loss.needs_teacher else None
         return self.student_step(batch, teacher_out)
 
     def student_step(self, batch: Batch, teacher_out: Any) -> LossOutput:

@@ -83,3 +83,7 @@ def test_seq_kd_teacher_samples_are_its_greedy_answers(two_ranks):
     results = two_ranks["seq_kd"]
     assert [r["steps"] for r in results] == [2, 2]
     assert all(r["mismatched_samples"] == 0 for r in results)
+    # cross-entropy never reads the teacher: no scoring forward (its samples come from generate), and the same
+    # student as a run that scores every micro-batch
+    assert all(r["teacher_forwards"] == 0 and r["scoring_teacher_forwards"] > 0 for r in results)
+    assert all(r["max_param_diff_vs_scoring"] == 0.0 for r in results)

@@ -9,6 +9,7 @@ Every recipe starts from the same initial student (the run's first ``students`` 
     seq_kd                  cross-entropy on the teacher's samples of the unlabelled prompts (sequence-level KD)
     on_policy_reverse_kl    SFT warm start, then reverse KL on the student's own samples of the prompts (GKD)
     on_policy_jsd           the same with generalized JSD, beta 0.5
+    on_policy_forward_kl    the same with forward KL (only when named in task.recipes)
     mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
 
 Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
@@ -107,7 +108,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     def score(name: str, distiller: Distiller, seconds: float) -> dict[str, Any]:
         started = time.perf_counter()
-        row = {"recipe": name, "exact_match": exact_match(distiller.student_model, tokenizer, heldout),
+        row = {"recipe": name,
+               "exact_match": exact_match(distiller.student_model, tokenizer, heldout, task.max_new_tokens),
                "answer_kl": distiller.evaluate(heldout_batches)["student"]["mean_kl"], "train_seconds": seconds}
         logger.info("%s: %s (evaluated in %.1fs)", name, row, time.perf_counter() - started)
         return row
@@ -121,6 +123,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
                            0),
         "on_policy_reverse_kl": lambda: ("reverse_kl", "prompts", on_policy, warm),
         "on_policy_jsd": lambda: ({"name": "generalized_jsd", "beta": 0.5}, "prompts", on_policy, warm),
+        "on_policy_forward_kl": lambda: ("forward_kl", "prompts", on_policy, warm),
         "mixed": lambda: ("reverse_kl", "mixed", dataclasses.replace(on_policy, fraction=0.5), 0),
     }
     rows: list[dict[str, Any]] = []
@@ -129,7 +132,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         if name == "teacher":
             started = time.perf_counter()
             teacher = AutoModelForCausalLM.from_pretrained(config.teacher)
-            rows.append({"recipe": "teacher", "exact_match": exact_match(teacher, tokenizer, heldout),
+            accuracy = exact_match(teacher, tokenizer, heldout, task.max_new_tokens)
+            rows.append({"recipe": "teacher", "exact_match": accuracy,
                          "answer_kl": 0.0, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - started})
             continue
         loss, batches, sampler, warm_steps = recipes[name]()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 RECIPES = ("teacher", "sft", "forward_kl", "seq_kd", "on_policy_reverse_kl", "on_policy_jsd", "mixed")
+EXTRA_RECIPES = ("on_policy_forward_kl",)
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,14 @@ class TaskConfig:
     """SFT steps on the labelled answers before the on-policy recipes (part of their max_steps): a random student's
     samples are noise the teacher cannot correct (GKD; measured: on-policy from scratch learns nothing)."""
     recipes: tuple[str, ...] = RECIPES
-    """Which rows to run, of: teacher, sft, forward_kl, seq_kd, on_policy_reverse_kl, on_policy_jsd, mixed."""
-    max_new_tokens: int = 48
-    """Longest answer sampled in training or generated in evaluation (the task's answers are 44 tokens)."""
+    """Which rows to run, of: teacher, sft, forward_kl, seq_kd, on_policy_reverse_kl, on_policy_jsd, mixed, and
+    on_policy_forward_kl (GKD's on-policy forward KL; not in the issue's table, so not run by default)."""
+    max_new_tokens: int = 32
+    """Longest answer sampled in training or generated in evaluation (the task's answers are 27 tokens)."""
 
     def __post_init__(self) -> None:
-        unknown = [r for r in self.recipes if r not in RECIPES]
+        unknown = [r for r in self.recipes if r not in RECIPES + EXTRA_RECIPES]
         if unknown:
-            raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES)}")
+            raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES + EXTRA_RECIPES)}")
         if min(self.labelled, self.prompts, self.heldout) < 1 or self.warm_start_steps < 0:
             raise ValueError("task.labelled, task.prompts and task.heldout must be >= 1, warm_start_steps >= 0")

@@ -11,7 +11,7 @@ from distill_kit.tasks import arithmetic
 
 
 @torch.no_grad()
-def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 48,
+def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32,
                      batch_size: int = 250) -> list[str]:
     """The model's greedy completion of each prompt, decoded up to its end token."""
     was_training = model.training
@@ -34,11 +34,11 @@ def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Exa
     return answers
 
 
-def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example]) -> float:
+def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32) -> float:
     """Share of prompts whose greedy answer the checker accepts."""
     from distill_kit.run.evaluation import load_metric
 
-    answers = generate_answers(model, tokenizer, items)
+    answers = generate_answers(model, tokenizer, items, max_new_tokens)
     metric = load_metric("exact_match")
     return metric.compute(predictions=[arithmetic.check(i.prompt, a) for i, a in zip(items, answers, strict=True)],
                           references=[True] * len(items))["exact_match"]

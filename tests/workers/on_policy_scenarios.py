@@ -61,6 +61,11 @@ class Recording(Distiller):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.made: list[dict] = []
+        self.teacher_forwards = 0
+
+    def teacher_forward(self, batch):
+        self.teacher_forwards += 1
+        return super().teacher_forward(batch)
 
     def make_batches(self, batches):
         made = super().make_batches(batches)
@@ -220,7 +225,10 @@ def seq_kd(out: Path, teacher: Path, student: Path) -> None:
     data = rank_batches(distributed.rank(), 2 * GAS, seed=8)
     distiller = Recording(student, teacher, loss="cross_entropy",
                           training=replace(TRAINING, max_steps=2, on_policy=on_policy))
+    scoring = Scoring(student, teacher, loss="cross_entropy",
+                      training=replace(TRAINING, max_steps=2, on_policy=on_policy))
     history = distiller.train(data)
+    scoring.train(data)
     mismatched = 0
     for b in distiller.made:
         for i in range(b["input_ids"].shape[0]):
@@ -228,7 +236,21 @@ def seq_kd(out: Path, teacher: Path, student: Path) -> None:
             mismatched += (b["input_ids"][i, counted[0]:counted[-1] + 1].tolist()
                            != greedy(plain, b["input_ids"][i, :counted[0]], plain.config.eos_token_id, NEW))
     write(out, "seq_kd", {"steps": len(history), "mismatched_samples": mismatched,
-                          "unpadded": [b["unpadded"] for b in distiller.made]})
+                          "unpadded": [b["unpadded"] for b in distiller.made],
+                          "teacher_forwards": distiller.teacher_forwards, "scoring_teacher_forwards": scoring.scored,
+                          "max_param_diff_vs_scoring": max_diff(gathered(distiller.student_model),
+                                                                gathered(scoring.student_model))})
+
+
+class Scoring(Distiller):
+    """Runs the teacher's scoring forward every micro-batch, as a loss that reads it would (the result unused)."""
+
+    scored = 0
+
+    def training_step(self, batch):
+        self.scored += 1
+        return self.student_step(batch, self.teacher_forward(batch))
+
 
 
 def main() -> None:
