@@ -40,8 +40,8 @@ def teacher_config(tokenizer, hidden: int, layers: int) -> LlamaConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2500)
+    parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)

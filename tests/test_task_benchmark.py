@@ -88,18 +88,19 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_task_comparison_runs_and_writes_the_table(tmp_path):
-    """Three recipes, two steps each, on a handful of examples: report.json holds the rows; a second run into the
+    """Four rows, two steps each, on a handful of examples: report.json holds the rows; a second run into the
     same folder and --resume are refused before any work."""
     args = [str(SCRIPT), "--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(tmp_path / "run"),
             "--training.max_steps", "2", "--training.micro_batch_size", "4", "--task.labelled", "8",
             "--task.prompts", "8", "--task.heldout", "8", "--task.warm_start_steps", "1",
-            "--task.recipes", "[teacher, sft, on_policy_reverse_kl]"]
+            "--task.recipes", "[teacher, sft, on_policy_reverse_kl, on_policy_forward_kl]"]
     done = _run(args, 600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert [r["recipe"] for r in report["rows"]] == ["teacher", "sft", "on_policy_reverse_kl"]
+    assert [r["recipe"] for r in report["rows"]] == ["teacher", "sft", "on_policy_reverse_kl", "on_policy_forward_kl"]
     assert report["rows"][0]["exact_match"] == 1.0  # the shipped teacher solves the held-out prompts
     assert all("gap_closed" in r and r["answer_kl"] >= 0 for r in report["rows"])
+    assert report["seconds"] >= sum(r["train_seconds"] for r in report["rows"][:2])
     again = _run(args, 300)
     assert again.returncode != 0 and "already holds a report.json" in again.stderr
     resumed = _run([*args, "--resume"], 300)

@@ -65,7 +65,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Every recipe in ``config.task.recipes``; writes ``<output_dir>/report.json`` and returns its summary."""
     from distill_kit.run.cli import prepare_student
 
-    task = config.task
+    task, began = config.task, time.perf_counter()
     if resume:
         raise ConfigError("--resume does not apply to a task benchmark (task.name): its recipes are short; rerun it")
     if distributed.world_size() != 1:
@@ -151,10 +151,11 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
         rows.append(score(name, distiller, seconds + time.perf_counter() - started))
         distiller.student_model.save_pretrained(out / "students" / name)  # to read its answers afterwards
     summary = table(rows)
+    summary["seconds"] = time.perf_counter() - began  # the whole comparison: data, every recipe, evaluation
     summary["config"] = to_dict(config)
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     print(format_table(summary["rows"]))
-    print(f"report: {out / 'report.json'}")
+    print(f"whole comparison: {summary['seconds']:.0f} s; report: {out / 'report.json'}")
     return summary
 
 
