@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +11,12 @@ import pytest
 import torch
 from launch import ROOT, clean_environment
 from safetensors.torch import load_file
+from test_cli import _main_error  # the CLI's error message, caught in this process
 from tiny_models import gpt2_config
 from transformers import GPT2LMHeadModel
 
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import cli, run_config
+from distill_kit.run import run_config
 
 SCRIPT = ROOT / "scripts/distill.py"
 STEPS = 4
@@ -132,19 +132,6 @@ def test_report_and_checkpoints_record_every_teacher(runs, tiny):
     assert set(report["deepspeed_configs"]["teacher"]) == {"a", "b"}
     assert report["config"]["teacher"] is None and len(report["config"]["teachers"]) == 2
     assert set(report["summary"]["students"]) == {"distilled"}
-
-
-def _main_error(*args: str) -> str:
-    """The message the CLI stops with, in this process (nothing loads before these errors)."""
-    environment = dict(os.environ)
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            cli.main(list(args))
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
-    assert isinstance(stopped.value.code, str) and stopped.value.code.startswith("config error: ")
-    return stopped.value.code
 
 
 @pytest.mark.parametrize(("extra", "message"), [
