@@ -29,14 +29,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=clean_environment())
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict[str, Path]:
-    """A teacher with its own tokenizer, and train/held-out text files, all local."""
-    root = tmp_path_factory.mktemp("tiny")
+def write_texts(root: Path) -> list[str]:
+    """Local text (Python sources of the standard library and of this project): train.txt and heldout.txt in
+    ``root``; returns the texts, for training a tokenizer on them."""
     sources = sorted(Path(json.__file__).parent.glob("*.py")) + sorted(Path(run_config.__file__).parent.glob("*.py"))
     texts = [p.read_text() for p in sources]
     (root / "train.txt").write_text("\n".join(texts[1:]))
     (root / "heldout.txt").write_text(texts[0])
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A teacher with its own tokenizer, and train/held-out text files, all local."""
+    root = tmp_path_factory.mktemp("tiny")
+    texts = write_texts(root)
     tokenizer = train_tokenizer(texts, vocab_size=300)
     teacher = root / "teacher"
     torch.manual_seed(0)

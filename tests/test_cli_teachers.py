@@ -11,12 +11,11 @@ import pytest
 import torch
 from launch import ROOT, clean_environment
 from safetensors.torch import load_file
-from test_cli import _main_error  # the CLI's error message, caught in this process
+from test_cli import _main_error, write_texts  # the CLI's error message, caught in this process; local text
 from tiny_models import gpt2_config
 from transformers import GPT2LMHeadModel
 
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import run_config
 
 SCRIPT = ROOT / "scripts/distill.py"
 STEPS = 4
@@ -26,10 +25,7 @@ STEPS = 4
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """Two teachers with different weights and one tokenizer, a third with another tokenizer, and text files."""
     root = tmp_path_factory.mktemp("teachers")
-    sources = sorted(Path(json.__file__).parent.glob("*.py")) + sorted(Path(run_config.__file__).parent.glob("*.py"))
-    texts = [p.read_text() for p in sources]
-    (root / "train.txt").write_text("\n".join(texts[1:]))
-    (root / "heldout.txt").write_text(texts[0])
+    texts = write_texts(root)
     tokenizers = {"a": train_tokenizer(texts, vocab_size=300), "other": train_tokenizer(texts[:5], vocab_size=280)}
     tokenizers["b"] = tokenizers["a"]
     for seed, (name, tokenizer) in enumerate(tokenizers.items()):
