@@ -8,7 +8,8 @@ from pathlib import Path
 
 import deepspeed
 import torch
-from tiny_models import save_pair
+from tiny_models import gpt2_config, save_pair
+from transformers import GPT2LMHeadModel
 
 from distill_kit.engines import distributed
 
@@ -41,3 +42,14 @@ def saved_pair(out: Path) -> tuple[Path, Path]:
         save_pair(out / "models")
     distributed.barrier()
     return out / "models/teacher", out / "models/student"
+
+
+def saved_model(out: Path, name: str, seed: int, width: int, layers: int) -> Path:
+    """One more tiny GPT-2 (``tiny_models.gpt2_config``) from ``seed``, written by rank 0 to ``<out>/models/<name>``
+    for every rank."""
+    path = out / "models" / name
+    if distributed.is_main():
+        torch.manual_seed(seed)
+        GPT2LMHeadModel(gpt2_config(width=width, layers=layers)).save_pretrained(path)
+    distributed.barrier()
+    return path

@@ -18,8 +18,8 @@ from transformers import GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_multi_student import compare  # noqa: E402
-from rank_results import gathered, max_diff, write  # noqa: E402
-from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
+from rank_results import gathered, max_diff, saved_model, saved_pair, write  # noqa: E402
+from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
@@ -202,13 +202,8 @@ def bench_smoke(out: Path, teacher: Path, students: dict[str, Path]) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     distributed.init()
-    if distributed.is_main():
-        save_pair(out / "models")
-        torch.manual_seed(99)
-        GPT2LMHeadModel(gpt2_config(width=48, layers=2)).save_pretrained(out / "models/student_big")
-    torch.distributed.barrier()
-    teacher = out / "models/teacher"
-    students = {"small": out / "models/student", "big": out / "models/student_big"}
+    teacher, small = saved_pair(out)
+    students = {"small": small, "big": saved_model(out, "student_big", seed=99, width=48, layers=2)}
     shared_teacher(out, teacher, students)
     side_by_side(out, students)
     bench_smoke(out, teacher, students)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import saved_pair, write  # noqa: E402
-from tiny_models import gpt2_config, random_batches  # noqa: E402
+from rank_results import saved_model, saved_pair, write  # noqa: E402
+from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed, peft_student  # noqa: E402
@@ -181,11 +181,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     distributed.init()
     teacher_dir, student_dir = saved_pair(out)
-    other_student_dir = out / "models/other_student"
-    if distributed.is_main():
-        torch.manual_seed(99)
-        GPT2LMHeadModel(gpt2_config(width=32, layers=1)).save_pretrained(other_student_dir)
-    distributed.barrier()
+    other_student_dir = saved_model(out, "other_student", seed=99, width=32, layers=1)
     lora_trains(out, teacher_dir, student_dir)
     resume_and_export(out, teacher_dir, student_dir, other_student_dir)
     feature_losses(out, teacher_dir, student_dir)

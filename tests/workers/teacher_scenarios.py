@@ -14,8 +14,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, saved_pair, write  # noqa: E402
-from tiny_models import gpt2_config, random_batches  # noqa: E402
+from rank_results import gathered, max_diff, saved_model, saved_pair, write  # noqa: E402
+from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
@@ -80,11 +80,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     distributed.init()
     a, student = saved_pair(out)
-    b = out / "models/teacher_b"
-    if distributed.is_main():
-        torch.manual_seed(4321)
-        GPT2LMHeadModel(gpt2_config(width=48, layers=2)).save_pretrained(b)
-    distributed.barrier()
+    b = saved_model(out, "teacher_b", seed=4321, width=48, layers=2)
     one_teacher_equivalence(out, a, b, student)
     identities(out, a, b, student)
 
