@@ -183,12 +183,7 @@ def check_deepspeed_configs(start: Start) -> list[str]:
     students = start.students()
     if teacher is None or any(c is None for c in students.values()):
         return []
-    trained = {}
-    for student in config.students:
-        training = (config.training if student.lr is None else dataclasses.replace(config.training, lr=student.lr))
-        trained[f"student {student.name!r}"] = deepspeed_config.TrainedConfig(
-            student.ds_config or config.student_ds_config, training, _hidden_size(students[student.name]),
-            {**config.student_ds_overrides, **student.ds_overrides})
+    trained = _trained_configs(config, students)
     try:
         deepspeed_config.prepare_group(trained, config.teacher_ds_config, teacher_hidden_size=_hidden_size(teacher),
                                        world_size=distributed.world_size(),
@@ -242,6 +237,15 @@ def check_checkpoint_disk(start: Start) -> list[str]:
 
 def _free_bytes(path: Path) -> int:
     return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+
+
+def _trained_configs(config: RunConfig, students: dict[str, PretrainedConfig | None]) -> dict[str, Any]:
+    """Each student's DeepSpeed config as its engine will get it: its own or the run's, its lr, its overrides."""
+    return {f"student {s.name!r}": deepspeed_config.TrainedConfig(
+        s.ds_config or config.student_ds_config,
+        config.training if s.lr is None else dataclasses.replace(config.training, lr=s.lr),
+        _hidden_size(students[s.name]) if students[s.name] is not None else None,
+        {**config.student_ds_overrides, **s.ds_overrides}) for s in config.students}
 
 
 def _hidden_size(config: PretrainedConfig) -> int | None:
@@ -340,11 +344,7 @@ def check_teachers(config: RunConfig) -> list[str]:
     problems += _teacher_tokenizers(config)
     lead = run_config.lead_teacher(config)
     students = Start(lead, False, {}).students()
-    trained = {f"student {s.name!r}": deepspeed_config.TrainedConfig(
-        s.ds_config or config.student_ds_config,
-        config.training if s.lr is None else dataclasses.replace(config.training, lr=s.lr),
-        _hidden_size(students[s.name]) if students[s.name] is not None else None,
-        {**config.student_ds_overrides, **s.ds_overrides}) for s in config.students}
+    trained = _trained_configs(config, students)
     configs = {t.name: _read_config(t.model) for t in config.teachers}
     for teacher in config.teachers:
         if configs[teacher.name] is None:
