@@ -17,7 +17,7 @@ from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.data.tokenizer import train_tokenizer
 from distill_kit.run import run_config
-from distill_kit.run.run_config import ConfigError
+from distill_kit.errors import ConfigError
 
 SCRIPT = ROOT / "scripts/distill.py"
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

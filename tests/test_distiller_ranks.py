@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import rank_results
 from launch import ROOT, run_ranks
+from tolerances import assert_float32_equivalent
 
 WORKER = ROOT / "tests/workers/core_scenarios.py"
 SCENARIOS = ["zero2_zero3", "teacher_sharding", "zero3_zero3", "zero2_zero0", "losses_and_hooks", "seed_configs"]
@@ -27,7 +28,7 @@ def one_rank(tmp_path_factory) -> dict[str, list[dict]]:
 
 def _matches_plain_pytorch(result: dict) -> None:
     assert result["max_param_change"] > 1e-3  # the students did move
-    assert result["max_param_diff"] < 2e-6
+    assert_float32_equivalent(result)  # the bound follows from float32 rounding on this CPU: tests/tolerances.py
     assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
     assert result["logged_lrs"] == pytest.approx(result["lrs"], rel=1e-12)  # the lr each step used, as applied
 

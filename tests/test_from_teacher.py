@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 from distill_kit.data.tokenizer import train_tokenizer
 from distill_kit.run import run_config, validate
-from distill_kit.run.run_config import ConfigError
+from distill_kit.errors import ConfigError
 from distill_kit.students.from_teacher import (
     FromTeacherConfig,
     UnsupportedTeacherError,

@@ -6,7 +6,7 @@ from tiny_models import gpt2_config
 from transformers import GPT2LMHeadModel
 
 from distill_kit.engines import kernels
-from distill_kit.run.run_config import ConfigError
+from distill_kit.errors import ConfigError
 from distill_kit.training.config import TrainingConfig
 
 

@@ -12,7 +12,7 @@ from launch import ROOT, run_ranks
 from distill_kit.engines import peft_student
 from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.run import run_config, validate
-from distill_kit.run.run_config import ConfigError
+from distill_kit.errors import ConfigError
 
 WORKER = ROOT / "tests/workers/peft_scenarios.py"
 multirank = pytest.mark.multirank

@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distill_kit.run.cli import prepare_student
-from distill_kit.run.run_config import ConfigError, RunConfig, StudentConfig
+from distill_kit.errors import ConfigError
+from distill_kit.run.run_config import RunConfig, StudentConfig
 
 
 def teacher(tmp_path, **shape):

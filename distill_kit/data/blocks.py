@@ -32,6 +32,8 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from distill_kit.errors import DataError
+
 IGNORE_INDEX = -100
 BLOCK_COLUMNS = ("input_ids", "attention_mask", "labels")
 # File endings -> the ``datasets`` builder that reads them.
@@ -44,10 +46,6 @@ TEXT_FORMATS = {".txt", ".text", ".json", ".jsonl"}
 CHECK_CHUNK = 1 << 24  # bytes decoded at a time when checking a file's encoding
 
 Batch = dict[str, torch.Tensor]
-
-
-class DataError(ValueError):
-    """A data file that cannot become training text; the message names the file (and line or record) and the fix."""
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from distill_kit.data.blocks import (
     _check_rank,
     load_text,
 )
-from distill_kit.run.run_config import ConfigError
+from distill_kit.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

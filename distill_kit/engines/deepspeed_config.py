@@ -28,6 +28,8 @@ from typing import Any
 
 import hjson
 
+from distill_kit.errors import DeepSpeedConfigError
+
 from distill_kit.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,6 @@ KNOWN_TOP_LEVEL_KEYS = frozenset(
     vocabulary_size zenflow load_universal_checkpoint use_node_local_storage deepcompile
     """.split()
 )
-
-
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed config that cannot drive an engine; the message lists every problem and its fix."""
 
 
 def load(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from distill_kit.errors import ConfigError
+
 Kernels = Literal["none", "liger", "compile", "auto"]
 CHOICES = ("none", "liger", "compile", "auto")
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
@@ -28,9 +30,7 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy"
 
 
 def _error(message: str) -> ValueError:
-    """A ``ConfigError`` (the CLI reports it without a traceback); imported here to keep engines below run/."""
-    from distill_kit.run.run_config import ConfigError
-
+    """A ``ConfigError``: the CLI reports it without a traceback."""
     return ConfigError(message)
 
 

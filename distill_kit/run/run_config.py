@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import yaml
 
+from distill_kit.errors import ConfigError
+
 from distill_kit.data.blocks import DataConfig
 from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.students.from_teacher import FromTeacherConfig
@@ -48,10 +50,6 @@ DEFAULT_STUDENT_INIT = {"hidden_size": 128, "num_hidden_layers": 4, "num_attenti
 # Distilled, it measured 37.9 against 226 without the teacher: 91% of the gap to the teacher closed.
 DEFAULT_STUDENT_CUT = FromTeacherConfig(every=2, hidden_size=128, intermediate_size=352, num_attention_heads=2,
                                         num_key_value_heads=2)
-
-
-class ConfigError(ValueError):
-    """A run config that cannot run; the message names the key and the fix."""
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,12 @@ def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
 
 
 
-def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int, lrs: list[float]):
+def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[dict], world: int, lrs: list[float],
+                      dtype: torch.dtype = torch.float32):
     """The same distillation as a plain PyTorch loop over the union of every rank's micro-batches, step ``s``
-    at lr ``lrs[s]``."""
-    student = GPT2LMHeadModel.from_pretrained(student_dir)
-    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
+    at lr ``lrs[s]``, in ``dtype`` (float64: the trajectory with float32's rounding taken out)."""
+    student = GPT2LMHeadModel.from_pretrained(student_dir).to(dtype)
+    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
     opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
                             weight_decay=TRAINING.weight_decay)
     losses = []
@@ -95,9 +96,13 @@ def equivalence(out: Path, name: str, student_cfg: dict, teacher_cfg: dict, pair
     history = distiller.train(rank_batches(all_batches, distributed.rank(), world))
     ours = gathered(distiller.student_model.parameters())
     ref, ref_losses = reference_student(student_dir, teacher_dir, all_batches, world, lrs)
+    exact, _ = reference_student(student_dir, teacher_dir, all_batches, world, lrs, dtype=torch.float64)
     initial = GPT2LMHeadModel.from_pretrained(student_dir).parameters()
     write(out, name, {
         "max_param_diff": max((a - b).abs().max().item() for a, b in zip(ours, ref, strict=True)),
+        # How far float32 rounding takes each run from the float64 trajectory, on this CPU (tests/tolerances.py)
+        "ours_vs_float64": max((a.double() - b).abs().max().item() for a, b in zip(ours, exact, strict=True)),
+        "ref_vs_float64": max((a.double() - b).abs().max().item() for a, b in zip(ref, exact, strict=True)),
         "max_param_change": max((a - b).abs().max().item() for a, b in zip(ref, initial, strict=True)),
         "losses": [h["loss"] for h in history],
         "ref_losses": ref_losses,

@@ -1,0 +1,17 @@
+"""The errors a user can cause, on the ground floor: every layer raises them, none imports upward for them.
+
+Each is a ``ValueError`` whose message names what is wrong and the fix; the CLI prints it on one line, without a
+traceback (``run/cli.py``).
+"""
+
+
+class ConfigError(ValueError):
+    """A run config that cannot run; the message names the key, the value and the fix."""
+
+
+class DataError(ValueError):
+    """A data file that cannot become training text; the message names the file (and line or record) and the fix."""
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed config that cannot drive an engine; the message lists every problem and its fix."""
