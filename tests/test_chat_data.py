@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import run_config
 from distill_kit.errors import ConfigError
+from distill_kit.run import run_config
 
 SCRIPT = ROOT / "scripts/distill.py"
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

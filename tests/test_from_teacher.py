@@ -16,8 +16,8 @@ from tiny_models import llama_config, qwen2_config, random_batches
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
 from distill_kit.data.tokenizer import train_tokenizer
-from distill_kit.run import run_config, validate
 from distill_kit.errors import ConfigError
+from distill_kit.run import run_config, validate
 from distill_kit.students.from_teacher import (
     FromTeacherConfig,
     UnsupportedTeacherError,

@@ -11,8 +11,8 @@ from launch import ROOT, run_ranks
 
 from distill_kit.engines import peft_student
 from distill_kit.engines.peft_student import AdapterConfig
-from distill_kit.run import run_config, validate
 from distill_kit.errors import ConfigError
+from distill_kit.run import run_config, validate
 
 WORKER = ROOT / "tests/workers/peft_scenarios.py"
 multirank = pytest.mark.multirank

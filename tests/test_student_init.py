@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from distill_kit.run.cli import prepare_student
 from distill_kit.errors import ConfigError
+from distill_kit.run.cli import prepare_student
 from distill_kit.run.run_config import RunConfig, StudentConfig
 
 

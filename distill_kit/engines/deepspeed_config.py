@@ -29,7 +29,6 @@ from typing import Any
 import hjson
 
 from distill_kit.errors import DeepSpeedConfigError
-
 from distill_kit.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)

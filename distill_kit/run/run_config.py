@@ -25,10 +25,9 @@ from typing import Any, Literal
 
 import yaml
 
-from distill_kit.errors import ConfigError
-
 from distill_kit.data.blocks import DataConfig
 from distill_kit.engines.peft_student import AdapterConfig
+from distill_kit.errors import ConfigError
 from distill_kit.students.from_teacher import FromTeacherConfig
 from distill_kit.tasks.config import TaskConfig
 from distill_kit.training.config import TrainingConfig
