@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from distill_kit.config import TrainingConfig
 from distill_kit.engines import deepspeed_config, distributed, kernels
 from distill_kit.engines.build import build_teacher
-from distill_kit.training.config import TrainingConfig
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs/zero3_teacher.json"
 

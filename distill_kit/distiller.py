@@ -1,132 +1,135 @@
-"""The Distiller: a frozen ZeRO-3 teacher teaching a ZeRO-2 student, one step at a time.
+"""The Distiller: frozen teachers (ZeRO-3) teaching trained students (ZeRO-2), one step at a time.
 
-Each hook does one thing and can be overridden alone by research code::
+Every shape of run is this one class::
 
-    batch = self.make_batch(batch)                 # on-policy: samples replace a fraction of the answers
-    teacher_out = self.teacher_forward(batch)      # no_grad, ZeRO-3 shards gathered layer by layer
-    student_out = self.student_forward(batch)      # ZeRO-2 engine
-    loss = self.compute_loss(student_out, teacher_out, batch)
-    self.student.backward(loss.total); self.student.step()
+    Distiller(student, teacher)                                   # the one-line case
+    Distiller(students=[StudentSpec(...), ...], teachers=[TeacherSpec(...)])          # N students, one teacher
+    Distiller(students=[StudentSpec(...)], teachers=[...], combine="sum" | "mixture")  # one student, M teachers
+    Distiller(students=[StudentSpec(..., loss="mutual_kl"), ...], teachers=[])        # no teacher: side by side
+
+Inside, two kinds of parts and no second loop: one :class:`~distill_kit.training.student.Student` per trained model
+(engine, loss, forward, export) and the :class:`~distill_kit.training.teachers.Teachers` (frozen engines, or a
+captured store). The step, each hook overridable alone by research code::
+
+    batch = self.make_batch(batch)                       # on-policy: samples replace a fraction of the answers
+    teacher_out = self.teacher_forward(batch)            # no_grad, ZeRO-3 shards; one forward for every student
+    for student in self.students.values():
+        student_out = self.student_forward(batch, student)                   # ZeRO-2 engine
+        loss = self.compute_loss(student_out, teacher_out, batch, student)
+        student.engine.backward(loss.total); student.engine.step()
 
 The loop around the step (accumulation, records, checkpoints and resume, signals, non-finite steps) is
-:class:`~distill_kit.training.loop.Trainer`'s, shared with the groups of ``multi_student.py`` and
-``side_by_side.py``: ``train``, ``save``, ``load``, ``resume``, ``step``, ``history``, ``stopped_by``.
+:class:`~distill_kit.training.loop.Trainer`'s: ``train``, ``save``, ``load``, ``resume``, ``step``, ``history``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Mapping
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, kernels, models, peft_student
-from distill_kit.engines.build import build_student, build_teacher
-from distill_kit.engines.head import why_not_fused
+from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig, specs
+from distill_kit.engines import distributed, kernels, models
+from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare
 from distill_kit.engines.models import ModelSource
-from distill_kit.run import evaluation
-from distill_kit.training import nonfinite
-from distill_kit.training.config import TrainingConfig
+from distill_kit.errors import ConfigError
+from distill_kit.training import evaluation, nonfinite
 from distill_kit.training.loop import Batch, Trainer
-from distill_kit.training.on_policy import Sampler, student_kernels, teacher_liger
+from distill_kit.training.on_policy import Sampler
+from distill_kit.training.student import Student
+from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, Teachers, check_tokenizers, check_weights
 from losses import DistillationLoss, LossOutput, build_loss
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DeepSpeedConfig = str | Path | Mapping[str, Any]
 
 
 class Distiller(Trainer):
-    """Owns the student engine (trained) and the teacher engine (frozen) in one process.
+    """Students trained against frozen teachers in one process, each model its own DeepSpeed engine.
 
-    ``student`` and ``teacher`` are paths or hub names (loaded under their own ZeRO layout) or built
-    ``nn.Module``s. Each engine's ZeRO stage comes from its own DeepSpeed config, so the same code runs
-    ZeRO-2 + ZeRO-3 (the default), the ZeRO-3-for-both baseline, or a replicated (stage 0) teacher.
+    ``student`` and ``teacher`` (the one-line case) or the entries of ``students`` and ``teachers`` are paths, hub
+    names or built ``nn.Module``s (a teacher may be a :class:`~distill_kit.offline.CapturedTeacher`). Each engine's
+    ZeRO stage comes from its own DeepSpeed config, so the same code runs ZeRO-2 + ZeRO-3 (the default), the
+    ZeRO-3-for-both baseline, or a replicated (stage 0) teacher.
     """
 
     def __init__(
         self,
-        student: ModelSource,
-        teacher: ModelSource,
+        student: ModelSource | None = None,
+        teacher: ModelSource | None = None,
         *,
+        students: Sequence[StudentSpec | Mapping[str, Any]] | None = None,
+        teachers: Sequence[TeacherSpec | Mapping[str, Any]] | None = None,
+        combine: Combine = "sum",
         loss: Any = "forward_kl",
+        peft: Any = None,
         training: TrainingConfig | None = None,
-        student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
-        teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
+        student_ds_config: DeepSpeedConfig = CONFIG_DIR / "zero2_student.json",
+        teacher_ds_config: DeepSpeedConfig = CONFIG_DIR / "zero3_teacher.json",
         student_ds_overrides: Mapping[str, Any] | None = None,
         teacher_ds_overrides: Mapping[str, Any] | None = None,
-        shared_teacher: nn.Module | None = None,
         vocab_map: Any = None,
-        peft: peft_student.PeftSpec | None = None,
     ):
-        """``shared_teacher`` is a teacher engine already built from ``teacher`` and ``teacher_ds_config``
-        (several students share one, see ``multi_student.py``): nothing is loaded for it again.
-
-        ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the two tokenizers differ: the
-        batches are paired blocks (``distill_kit/data/paired_blocks.py``) and the loss ``cross_tokenizer``
-        gets the map; the vocabularies are then not required to line up. ``peft`` (``{r, alpha, dropout,
-        target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters on a frozen student
-        instead of the whole student (``engines/peft_student.py``)."""
+        """``loss`` and ``peft`` belong to the one-line case (a spec carries its own). ``peft`` (``{r, alpha,
+        dropout, target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters on a frozen
+        student. ``combine`` joins several teachers: ``sum`` of one loss per teacher, or one loss against their
+        weighted ``mixture`` (``training/teachers.py``). ``vocab_map`` (a :class:`~distill_kit.data.alignment.
+        VocabMap`) says the tokenizers differ: batches are paired blocks and the loss ``cross_tokenizer`` gets it.
+        """
+        student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         super().__init__(training)
-        student_facts, teacher_facts = models.facts(student), models.facts(teacher)
-        self.student_ds_config, self.teacher_ds_config = deepspeed_config.prepare_pair(
-            student_ds_config,
-            teacher_ds_config,
-            self.training,
-            student_hidden_size=student_facts["hidden_size"],
-            teacher_hidden_size=teacher_facts["hidden_size"],
-            world_size=distributed.world_size(),
-            student_overrides=student_ds_overrides,
-            teacher_overrides=teacher_ds_overrides,
-        )
-        self.loss: DistillationLoss = build_loss(
-            loss, **{f"student_{k}": v for k, v in student_facts.items()},
-            **{f"teacher_{k}": v for k, v in teacher_facts.items()}, vocab_map=vocab_map,
-        )
-        adapters = (peft_student.check(peft, deepspeed_config.zero_stage(self.student_ds_config))
-                    if peft is not None else None)
-        self.export_merged = peft_student.wants_merged_export(peft)
-        kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
-        kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
-        # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
-        need_attentions = self.loss.needs_attentions
-        teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
-                         if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
-        student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
-        if shared_teacher is None:
-            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels",
-                          liger=teacher_liger(self.training.on_policy))
-        kernels.apply(student_model, student_kernels(self.training.student_kernels, self.training.on_policy),
-                      "training.student_kernels")
-        if vocab_map is None:
-            check_vocabularies(student_model, teacher_model)
-        if adapters is not None:
-            student_model = peft_student.wrap(student_model, adapters)
-        self.teacher = (build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
-                        if shared_teacher is None else shared_teacher)
-        self.student = build_student(student_model, self.loss, self.student_ds_config, self.training)
-        unfused = why_not_fused(student_model, self.loss, self.student_ds_config, self.training.fused_loss)
-        if unfused and self.training.fused_loss and distributed.is_main():
-            logging.getLogger(__name__).info("student logits materialised in full: %s", unfused)
-        self.fused_head = unfused is None
-        """The student runs without its output head; logit losses apply it chunk by chunk (``losses/fused.py``)."""
+        check_run_shape(student_specs, teacher_specs, self.training, vocab_map)
+        # Everything that needs no weights first: facts, losses, every engine's config (one error for all).
+        student_facts = {s.name: models.facts(s.model) for s in student_specs}
+        teacher_facts = {t.name: models.facts(t.model) for t in teacher_specs}
+        losses = {s.name: student_loss(s, student_facts[s.name], teacher_specs, teacher_facts, combine, vocab_map)
+                  for s in student_specs}
+        if not teacher_specs:
+            needing = sorted(name for name, loss in losses.items() if loss.needs_teacher)
+            if needing:
+                raise ConfigError(f"students {needing}: their losses read a teacher's outputs, and this run has no "
+                                  "teacher: use cross_entropy, mutual_kl or a weighted sum of them, or add a teacher")
+        keyed = student is not None  # the one-line case: records "loss", checkpoint folder "deepspeed"
+        student_configs, teacher_configs = prepare(
+            {_label("student", s.name, keyed): TrainedConfig(
+                s.ds_config or student_ds_config, s.training(self.training), student_facts[s.name]["hidden_size"],
+                {**(student_ds_overrides or {}), **s.ds_overrides}) for s in student_specs},
+            {_label("teacher", t.name, len(teacher_specs) == 1): FrozenConfig(
+                t.ds_config or teacher_ds_config, teacher_facts[t.name]["hidden_size"],
+                {**(teacher_ds_overrides or {}), **t.ds_overrides}) for t in teacher_specs},
+            world_size=distributed.world_size())
+        for kind, spec_list in (("teacher", teacher_specs), ("student", student_specs)):
+            for spec in spec_list:
+                kernels.check_model_type(getattr(self.training, f"{kind}_kernels"), models.model_type(spec.model),
+                                         f"training.{kind}_kernels ({kind} {spec.name!r})")
+        self.teachers = Teachers(
+            teacher_specs, {t.name: c for t, c in zip(teacher_specs, teacher_configs.values(), strict=True)},
+            self.training, self.device, need_attentions=any(loss.needs_attentions for loss in losses.values()))
+        self.teacher = self.teachers.first
+        """The first teacher's engine (None without one); ``self.teachers`` holds them all."""
+        teacher_vocab = (None if vocab_map is not None or not teacher_specs else
+                         getattr(models.model_config(teacher_specs[0].model), "vocab_size", None))
+        self.students: dict[str, Student] = {
+            s.name: Student(s, "" if keyed else s.name, losses[s.name], config, s.training(self.training),
+                            teacher_vocab_size=teacher_vocab, main=distributed.is_main())
+            for s, config in zip(student_specs, student_configs.values(), strict=True)}
+        self._hooks_take_student = {hook: "student" in inspect.signature(getattr(self, hook)).parameters
+                                    for hook in ("student_forward", "compute_loss")}
+        if len(self.students) > 1 and not all(self._hooks_take_student.values()):
+            hooks = [hook for hook, takes in self._hooks_take_student.items() if not takes]
+            raise ConfigError(f"{type(self).__name__} overrides {hooks} without a `student` parameter, and this run "
+                              f"has {len(self.students)} students: add `student` (the Student part) to the override")
+        only = next(iter(self.students.values()))
         on_policy = self.training.on_policy
-        self.sampler = (Sampler(on_policy, lambda: self.student_model) if on_policy.sampler == "student" else
+        self.sampler = (Sampler(on_policy, lambda: only.model) if on_policy.sampler == "student" else
                         Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
                                 synced=distributed.world_size() > 1))
 
     # ---- the hooks ---------------------------------------------------------------------------------------
-
-    def model_inputs(self, batch: Batch) -> dict[str, Any]:
-        """What both models are called with: no labels (the loss modules own every loss), and hidden
-        states or attentions only when a loss asks for them."""
-        return {
-            "input_ids": batch["input_ids"],
-            "attention_mask": batch.get("attention_mask"),
-            "output_hidden_states": self.loss.needs_hidden_states,
-            "output_attentions": self.loss.needs_attentions,
-        }
 
     def make_batch(self, batch: Batch) -> Batch:
         """Each micro-batch as trained on, before the step counts its tokens (the loop calls it): with
@@ -141,73 +144,223 @@ class Distiller(Trainer):
         return super().make_batches(batches)
 
     def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
-        """The teacher reads its own tokens when its tokenizer differs (paired blocks carry ``teacher_input_ids``)."""
-        inputs = self.model_inputs(batch)
+        """What every teacher is called with: the students' inputs, with hidden states or attention maps when any
+        student's loss needs them, and the teacher's own tokens when its tokenizer differs (paired blocks)."""
+        requests = [student.inputs(batch) for student in self.students.values()]
+        inputs = requests[0] | {flag: any(r[flag] for r in requests)
+                                for flag in ("output_hidden_states", "output_attentions")}
         if "teacher_input_ids" in batch:
             inputs |= {"input_ids": batch["teacher_input_ids"], "attention_mask": batch["teacher_attention_mask"]}
+            inputs.pop("position_ids", None)
         return inputs
 
     def teacher_forward(self, batch: Batch) -> Any:
-        with torch.no_grad():
-            return self.teacher(**self.teacher_inputs(batch))
+        """One forward of every teacher, shared by every student: an output, ``{name: output}`` for several
+        teachers, or None when no student's loss reads a teacher (SFT, sequence-level KD: skipped on every rank)."""
+        if not any(student.loss.needs_teacher for student in self.students.values()):
+            return None
+        return self.teachers.forward(self.teacher_inputs(batch))
 
-    def student_forward(self, batch: Batch) -> Any:
-        """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
-        return self.student(**self.model_inputs(batch), head=not self.fused_head)
+    def student_forward(self, batch: Batch, student: Student | None = None) -> Any:
+        """``student`` (default: the only one) on the batch; fused, a ``HeadOutput`` whose logits are lazy."""
+        return (student or self.only_student).forward(batch)
 
-    def compute_loss(self, student_out: Any, teacher_out: Any, batch: Batch) -> LossOutput:
-        return self.loss(student_out, teacher_out, batch)
+    def compute_loss(self, student_out: Any, teacher_out: Any, batch: Batch,
+                     student: Student | None = None) -> LossOutput:
+        """``student``'s loss against the teachers' outputs (or, with no teacher, its peers' detached outputs)."""
+        return (student or self.only_student).loss(student_out, teacher_out, batch)
 
-    def training_step(self, batch: Batch) -> LossOutput:
-        """One micro-batch: forwards, loss, backward; the engine steps the optimizer at the boundary. A loss that never
-        reads the teacher (cross-entropy alone: SFT, sequence-level KD) skips its forward, on every rank alike."""
-        teacher_out = self.teacher_forward(batch) if self.loss.needs_teacher else None
-        return self.student_step(batch, teacher_out)
+    def training_step(self, batch: Batch) -> dict[str, LossOutput]:
+        """One micro-batch: the teachers' forward once, then each student's forward, loss, backward and step.
 
-    def student_step(self, batch: Batch, teacher_out: Any) -> LossOutput:
-        """The student's half of a micro-batch, given the teacher's outputs (which several students may share)."""
-        student_out = self.student_forward(batch)
-        loss = self.compute_loss(student_out, teacher_out, batch)
-        self.student.backward(nonfinite.poison_if_not_finite(loss.total))  # NaN/inf: DeepSpeed skips the step
-        self.student.step()
-        return loss
+        With no teacher, every student's forward comes first and each loss reads the others' detached outputs
+        (mutual learning at the same weights). A non-finite loss makes DeepSpeed discard that student's update;
+        the loop skips the step when every student discarded it (``nonfinite.py``).
+        """
+        teacher_out = self.teacher_forward(batch)
+        peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
+        losses = {}
+        for name, student in self.students.items():
+            student_out = peers[name] if peers else self._forward(batch, student)
+            target = teacher_out if len(self.teachers) else tuple(_detached(o) for n, o in peers.items() if n != name)
+            loss = self._loss(student_out, target, batch, student)
+            student.engine.backward(nonfinite.poison_if_not_finite(loss.total))
+            student.engine.step()
+            losses[student.key] = loss
+        return losses
 
-    # ---- the loop (training/loop.py: Trainer): this one model, unnamed ---------------------------------------
+    def _forward(self, batch: Batch, student: Student) -> Any:
+        """``student_forward``, also as research code overrides it for one student: ``(self, batch)``."""
+        if self._hooks_take_student["student_forward"]:
+            return self.student_forward(batch, student=student)
+        return self.student_forward(batch)
+
+    def _loss(self, student_out: Any, teacher_out: Any, batch: Batch, student: Student) -> LossOutput:
+        """``compute_loss``, also as overridden for one student: ``(self, student_out, teacher_out, batch)``."""
+        if self._hooks_take_student["compute_loss"]:
+            return self.compute_loss(student_out, teacher_out, batch, student=student)
+        return self.compute_loss(student_out, teacher_out, batch)
+
+    # ---- what the loop (training/loop.py) reads ------------------------------------------------------------
 
     def engines(self) -> dict[str, Any]:
-        """The student, with the empty name: records read ``loss``, ``<part>``, ``lr`` (see ``training/loop.py``)."""
-        return {"": self.student}
+        """Each student's engine by its key (the one-line case's: the empty key)."""
+        return {student.key: student.engine for student in self.students.values()}
 
     def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
-        return {"": self.training_step(batch)}
+        return self.training_step(batch)
 
-    # ---- evaluation --------------------------------------------------------------------------------------
+    @property
+    def teacher_sha256(self) -> str | None:
+        """The teachers' identity stored with each checkpoint (computed once, on every rank: it gathers)."""
+        return self.teachers.sha256
+
+    # ---- evaluation and export -----------------------------------------------------------------------------
 
     def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
-        """Held-out perplexity of student and teacher, top-1 agreement and mean KL, over all ranks."""
-        self.student.eval()
+        """``{"teacher": {...}, <student>: {...}}`` over all ranks: perplexities, top-1 agreement and mean KL
+        against the teacher (several teachers: their weighted mixture). The one-line case's student is
+        ``"student"``. One teacher pass per batch."""
+        if not len(self.teachers):
+            raise ConfigError("evaluate() compares students with a teacher, and this run has none")
+        forwards = {student.key or "student": partial(self._forward, student=student)
+                    for student in self.students.values()}
+        engines = self.engines().values()
+        for engine in engines:
+            engine.eval()
         try:
-            return evaluation.evaluate_students({"student": self.student_forward}, self.teacher_forward, batches,
-                                                self.device, max_batches)
+            return evaluation.evaluate_students(
+                forwards, lambda batch: self.teachers.mixture(self.teachers.forward(self.teacher_inputs(batch))),
+                batches, self.device, max_batches)
         finally:
-            self.student.train()
+            for engine in engines:
+                engine.train()
 
-    # ---- plumbing ----------------------------------------------------------------------------------------
+    def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
+        """Each bare student as a Hugging Face model directory, ``<directory>/<name>``."""
+        return {name: student.export(Path(directory) / name, tokenizer) for name, student in self.students.items()}
+
+    # ---- the one-student shorthands ------------------------------------------------------------------------
+
+    @property
+    def only_student(self) -> Student:
+        if len(self.students) != 1:
+            raise ValueError(f"this run has {len(self.students)} students: pass the one you mean "
+                             f"(distiller.students[name], one of {sorted(self.students)})")
+        return next(iter(self.students.values()))
+
+    @property
+    def student(self) -> Any:
+        """The one student's engine."""
+        return self.only_student.engine
 
     @property
     def student_model(self) -> nn.Module:
-        """The bare student (no engine, no loss parameters), e.g. for export."""
-        return self.student.module.student
+        """The one student's bare model (no engine, no loss parameters), e.g. for export."""
+        return self.only_student.model
+
+    @property
+    def student_ds_config(self) -> dict[str, Any]:
+        """The DeepSpeed config the one student's engine was given."""
+        return self.only_student.ds_config
+
+    @property
+    def teacher_ds_config(self) -> dict[str, Any] | None:
+        """The DeepSpeed config the first teacher's engine was given (all: ``teachers.ds_configs``)."""
+        return next(iter(self.teachers.ds_configs.values()), None)
+
+    @property
+    def loss(self) -> DistillationLoss:
+        return self.only_student.loss
+
+    @property
+    def fused_head(self) -> bool:
+        return self.only_student.fused_head
+
+    @property
+    def export_merged(self) -> bool:
+        return self.only_student.export_merged
 
 
-def check_vocabularies(student: nn.Module, teacher: nn.Module) -> None:
-    """A teacher vocabulary padded past the student's is cut by the losses; a larger student one is an error."""
-    student_vocab = getattr(getattr(student, "config", None), "vocab_size", None)
-    teacher_vocab = getattr(getattr(teacher, "config", None), "vocab_size", None)
-    if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
-        raise ValueError(
-            f"the student's vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): they "
-            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to distil "
-            "across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map=VocabMap."
-            "build(student_tokenizer, teacher_tokenizer)) (a run config: students[].tokenizer)."
-        )
+def _the_specs(student: ModelSource | None, teacher: ModelSource | None, students: Sequence[Any] | None,
+               teachers: Sequence[Any] | None, loss: Any, peft: Any) -> tuple[list[StudentSpec], list[TeacherSpec]]:
+    """The run's models as specs, whichever form they were given in."""
+    if (student is None) == (students is None):
+        raise ConfigError("give one student (Distiller(student, teacher)) or a list of them (students=[...]), "
+                          "not both and not neither")
+    if teacher is not None and teachers is not None:
+        raise ConfigError("give one teacher (Distiller(student, teacher)) or a list of them (teachers=[...]), "
+                          "not both")
+    if student is not None:
+        student_specs = [StudentSpec(name="student", model=student, loss=loss, peft=peft)]
+    else:
+        student_specs = specs(StudentSpec, students, "student")
+    if teacher is not None:
+        teacher_specs = [TeacherSpec(name="teacher", model=teacher)]
+    else:
+        teacher_specs = specs(TeacherSpec, teachers or [], "teacher")
+    if not student_specs:
+        raise ConfigError("no students: give at least one, e.g. students=[StudentSpec(name='small', model=...)]")
+    missing = [s.name for s in student_specs if s.model is None]
+    if missing:
+        raise ConfigError(f"students {missing} have no model: give each a model (a directory, a hub name or an "
+                          "nn.Module); a run config's init / init_from_teacher students are built by the CLI")
+    return student_specs, teacher_specs
+
+
+def check_run_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec], training: TrainingConfig,
+                    vocab_map: Any) -> None:
+    """The shapes this class refuses, before anything loads, each with its fix."""
+    check_weights(teachers)
+    fraction = training.on_policy.fraction
+    if fraction > 0 and len(students) > 1:
+        raise ConfigError(
+            f"training.on_policy.fraction={fraction} with {len(students)} students: each student would sample its "
+            "own completions, so they could not share batches or the teachers' forward. Distil them in separate "
+            "runs, or set training.on_policy.fraction: 0")
+    if fraction > 0 and training.on_policy.sampler == "teacher" and not teachers:
+        raise ConfigError("training.on_policy.sampler: teacher, and this run has no teacher: use sampler: student")
+    if len(teachers) > 1:
+        if vocab_map is not None:
+            raise ConfigError("several teachers across tokenizers is not supported: every teacher must use the "
+                              "student's tokenizer (drop student_tokenizer, or keep one teacher)")
+        check_tokenizers(students[0].model, teachers)
+
+
+def student_loss(spec: StudentSpec, facts: Mapping[str, Any], teachers: Sequence[TeacherSpec],
+                 teacher_facts: Mapping[str, Mapping[str, Any]], combine: Combine, vocab_map: Any) -> DistillationLoss:
+    """A student's loss, sized by its facts and its teacher's: one loss per teacher combined by
+    :class:`TeacherEnsembleLoss` when there are several, the plain loss for one teacher or none."""
+    def built(teacher: TeacherSpec | None) -> DistillationLoss:
+        sized = {f"student_{k}": v for k, v in facts.items()}
+        if teacher is not None:
+            sized |= {f"teacher_{k}": v for k, v in teacher_facts[teacher.name].items()}
+        try:
+            return build_loss(spec.loss, **sized, vocab_map=vocab_map)
+        except (KeyError, TypeError, ValueError) as err:
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            raise ConfigError(f"student {spec.name!r}: loss {spec.loss!r}: {message}") from None
+
+    if len(teachers) <= 1:
+        return built(teachers[0] if teachers else None)
+    return TeacherEnsembleLoss({t.name: built(t) for t in teachers}, {t.name: t.weight for t in teachers}, combine)
+
+
+def _label(kind: str, name: str, alone: bool) -> str:
+    """How DeepSpeed config messages name a model: ``student``, or ``student 'small'`` in a group."""
+    return kind if alone else f"{kind} {name!r}"
+
+
+def _detached(output: Any) -> Any:
+    """A model output (a ``ModelOutput`` dict of tensors and tuples of tensors) cut from autograd: a peer's outputs
+    may teach a student but never train the peer."""
+    if not isinstance(output, Mapping):  # a fused forward's HeadOutput: its logits are not computed yet
+        return output
+
+    def cut(value: Any) -> Any:
+        if hasattr(value, "detach"):
+            return value.detach()
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+    return type(output)(**{key: cut(value) for key, value in output.items()})

@@ -5,9 +5,9 @@ import pytest
 from tiny_models import gpt2_config
 from transformers import GPT2LMHeadModel
 
+from distill_kit.config import TrainingConfig
 from distill_kit.engines import kernels
 from distill_kit.errors import ConfigError
-from distill_kit.training.config import TrainingConfig
 
 
 def test_unknown_choice_and_missing_liger_are_config_errors(monkeypatch):

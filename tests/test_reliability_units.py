@@ -23,6 +23,7 @@ from torch import nn
 
 from distill_kit import TrainingConfig
 from distill_kit.distiller import check_vocabularies
+from distill_kit.engines import fingerprint
 from distill_kit.training import checkpoint
 from distill_kit.training.loop import Trainer
 from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
@@ -160,11 +161,11 @@ def test_random_generators_round_trip(tmp_path):
 def test_teacher_fingerprint_names_the_weights():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    before = checkpoint.teacher_fingerprint(model)
-    assert checkpoint.teacher_fingerprint(model) == before
+    before = fingerprint.teacher_fingerprint(model)
+    assert fingerprint.teacher_fingerprint(model) == before
     with torch.no_grad():
         model[1].bias[0] += 1e-7
-    assert checkpoint.teacher_fingerprint(model) != before
+    assert fingerprint.teacher_fingerprint(model) != before
 
 
 def test_a_non_finite_loss_gets_non_finite_gradients_and_a_finite_one_is_untouched():

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from distill_kit.config import StudentSpec
 from distill_kit.errors import ConfigError
 from distill_kit.run.cli import prepare_student
-from distill_kit.run.run_config import RunConfig, StudentConfig
+from distill_kit.run.run_config import RunConfig
 
 
 def teacher(tmp_path, **shape):
@@ -19,7 +20,7 @@ def teacher(tmp_path, **shape):
 
 
 def built(run: RunConfig, init: dict):
-    spec = prepare_student(StudentConfig(name="s", init=init), run, tokenizer=None)
+    spec = prepare_student(StudentSpec(name="s", init=init), run, tokenizer=None)
     return AutoModelForCausalLM.from_pretrained(spec.model)
 
 

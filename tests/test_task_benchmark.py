@@ -11,12 +11,13 @@ import sys
 import pytest
 from launch import ROOT
 
+from distill_kit.config import TrainingConfig
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
-from distill_kit.run import evaluation, run_config
+from distill_kit.run import run_config
+from distill_kit.training import evaluation
 from distill_kit.tasks import arithmetic
 from distill_kit.tasks.compare import table
-from distill_kit.training.config import TrainingConfig
 from distill_kit.training.multi_student import MultiStudentDistiller
 from distill_kit.training.on_policy import OnPolicyConfig
 

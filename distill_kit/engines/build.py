@@ -9,11 +9,11 @@ import deepspeed
 import torch
 from torch import nn
 
+from distill_kit.config import TrainingConfig
 from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.head import headless_forward
 from distill_kit.engines.models import TORCH_DTYPES
 from distill_kit.training import schedule
-from distill_kit.training.config import TrainingConfig
 
 
 class StudentWithLoss(nn.Module):

@@ -28,8 +28,8 @@ from typing import Any
 
 import hjson
 
+from distill_kit.config import TrainingConfig
 from distill_kit.errors import DeepSpeedConfigError
-from distill_kit.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -294,22 +294,29 @@ class TrainedConfig:
     overrides: Mapping[str, Any] | None = None
 
 
-def prepare_group(
+@dataclass(frozen=True)
+class FrozenConfig:
+    """A frozen teacher's DeepSpeed config as the user gave it; its batch and precision are the run's."""
+
+    source: str | Path | Mapping[str, Any]
+    hidden_size: int | None
+    overrides: Mapping[str, Any] | None = None
+
+
+def prepare(
     trained: Mapping[str, TrainedConfig],
-    teacher: str | Path | Mapping[str, Any] | None,
+    frozen: Mapping[str, FrozenConfig],
     *,
-    teacher_hidden_size: int | None,
     world_size: int,
-    teacher_overrides: Mapping[str, Any] | None = None,
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
-    """Every trained model's engine config, and the frozen teacher's (None without a teacher).
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Every trained model's engine config and every frozen teacher's, by the same keys.
 
     All configs are filled and checked together, and one error lists every problem of every config: a
-    run of several models should not fail on the second one's typo after the first has loaded. Keys of
-    ``trained`` name the models in the messages (``"student"`` gives "student DeepSpeed config: ...").
-    The teacher is never trained, but DeepSpeed still refuses an engine without
-    ``train_micro_batch_size_per_gpu``, so it takes the run's batch keys (a value of its own is replaced, with a
-    warning: a frozen engine never uses it); its precision must be the run's, like every trained model's.
+    run of several models should not fail on the second one's typo after the first has loaded. Keys name the
+    models in the messages (``"student"`` gives "student DeepSpeed config: ..."). A teacher is never trained, but
+    DeepSpeed still refuses an engine without ``train_micro_batch_size_per_gpu``, so it takes the run's batch keys
+    (a value of its own is replaced, with a warning: a frozen engine never uses it); its precision must be the
+    run's, like every trained model's.
     """
     configs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
@@ -327,19 +334,34 @@ def prepare_group(
         config.pop("scheduler", None)  # checked against the run above; build.py runs training/schedule.py
         configs[label] = config
         problems += found
-    teacher_cfg = None
-    if teacher is not None:
-        training = next(iter(trained.values())).training
-        name = "teacher DeepSpeed config"
-        teacher_cfg, found = resolve(load(teacher), training, hidden_size=teacher_hidden_size,
-                                     world_size=world_size, name=name, overrides=teacher_overrides)
-        _teacher_takes_run_batch(teacher_cfg, training, world_size, name)
-        teacher_cfg.pop("optimizer", None)  # a frozen engine needs none; DeepSpeed would build one
-        teacher_cfg.pop("scheduler", None)
-        problems += found + _check_precision(teacher_cfg, training, name)
+    teachers: dict[str, dict[str, Any]] = {}
+    training = next(iter(trained.values())).training if trained else None
+    for label, request in frozen.items():
+        name = f"{label} DeepSpeed config"
+        config, found = resolve(load(request.source), training, hidden_size=request.hidden_size,
+                                world_size=world_size, name=name, overrides=request.overrides)
+        _teacher_takes_run_batch(config, training, world_size, name)
+        config.pop("optimizer", None)  # a frozen engine needs none; DeepSpeed would build one
+        config.pop("scheduler", None)
+        problems += found + _check_precision(config, training, name)
+        teachers[label] = config
     if problems:
         raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
-    return configs, teacher_cfg
+    return configs, teachers
+
+
+def prepare_group(
+    trained: Mapping[str, TrainedConfig],
+    teacher: str | Path | Mapping[str, Any] | None,
+    *,
+    teacher_hidden_size: int | None,
+    world_size: int,
+    teacher_overrides: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """:func:`prepare` for trained models and at most one teacher (None without one)."""
+    frozen = {} if teacher is None else {"teacher": FrozenConfig(teacher, teacher_hidden_size, teacher_overrides)}
+    configs, teachers = prepare(trained, frozen, world_size=world_size)
+    return configs, teachers.get("teacher")
 
 
 def prepare_pair(

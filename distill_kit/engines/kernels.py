@@ -16,15 +16,13 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from collections.abc import Mapping
-from typing import Literal
 
 import torch
 from torch import nn
 
+from distill_kit.config import CHOICES
 from distill_kit.errors import ConfigError
 
-Kernels = Literal["none", "liger", "compile", "auto"]
-CHOICES = ("none", "liger", "compile", "auto")
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                  "fused_linear_cross_entropy": False}
 

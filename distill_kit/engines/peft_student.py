@@ -24,50 +24,17 @@ import dataclasses
 import hashlib
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distill_kit.config import AdapterConfig
+
 INSTALL_HINT = "install it with `pip install peft` (or `pip install distill-kit[peft]`)"
 
 
-@dataclass(frozen=True)
-class AdapterConfig:
-    """LoRA adapters on a pretrained student (Hu et al. 2021): ``W x + (alpha / r) B A x``, only A and B trained.
-
-    ``r`` and ``alpha`` follow the LoRA paper and ``peft``'s defaults' spirit: a small rank is enough to steer a
-    good model, and ``alpha / r`` sets the adapters' scale independently of the rank.
-    """
-
-    r: int = 8
-    """Rank of each adapter: trained parameters per adapted (d_in x d_out) layer are r * (d_in + d_out)."""
-    alpha: float = 16.0
-    """LoRA scale numerator: the update is (alpha / r) * B A."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input (0: none, so a step is deterministic given the data)."""
-    target_modules: tuple[str, ...] | str = "all-linear"
-    """Module names to adapt (e.g. [q_proj, v_proj]), or 'all-linear': every linear layer but the output head."""
-    export_merged: bool = False
-    """Also export the merged model (base + adapters folded in) to <export>/<name>/merged, which
-    AutoModelForCausalLM.from_pretrained loads without peft."""
-
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise ValueError(f"peft.r must be >= 1, got {self.r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout}")
-        if not self.target_modules:
-            raise ValueError("peft.target_modules is empty: name the layers to adapt, or use 'all-linear'")
-
-    def to_peft(self) -> Any:
-        """The ``peft.LoraConfig`` for a causal LM."""
-        peft = require_peft()
-        targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
-        return peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                               task_type="CAUSAL_LM")
 
 
 PeftSpec = AdapterConfig | Mapping[str, Any] | Any
@@ -83,16 +50,23 @@ def require_peft() -> Any:
     return peft
 
 
+def lora_config(config: AdapterConfig) -> Any:
+    """The ``peft.LoraConfig`` for a causal LM."""
+    targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
+    return require_peft().LoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                                     target_modules=targets, task_type="CAUSAL_LM")
+
+
 def adapter_config(spec: PeftSpec) -> Any:
     """``spec`` as a ``peft.PeftConfig``; unknown keys of a mapping are errors naming the valid ones."""
     if isinstance(spec, AdapterConfig):
-        return spec.to_peft()
+        return lora_config(spec)
     if isinstance(spec, Mapping):
         fields = [f.name for f in dataclasses.fields(AdapterConfig)]
         unknown = sorted(set(spec) - set(fields))
         if unknown:
             raise ValueError(f"unknown peft keys {unknown}; a peft entry has {', '.join(fields)}")
-        return AdapterConfig(**spec).to_peft()
+        return lora_config(AdapterConfig(**spec))
     if isinstance(spec, require_peft().PeftConfig):
         return spec
     raise TypeError(f"peft must be an AdapterConfig, a mapping of its fields or a peft.PeftConfig, got {spec!r}")

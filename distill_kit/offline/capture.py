@@ -21,16 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from distill_kit.config import TrainingConfig
 from distill_kit.data.blocks import BlockLoader
 from distill_kit.distiller import CONFIG_DIR
-from distill_kit.engines import distributed, models
+from distill_kit.engines import distributed, fingerprint, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, resolve
 from distill_kit.engines.models import ModelSource
 from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
 from distill_kit.offline.store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
-from distill_kit.training import checkpoint
-from distill_kit.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     spec = StoreSpec(
         teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
         # The identity checkpoints record too, so a run resumed from the store is checked against the same teacher.
-        teacher_hash=checkpoint.teacher_fingerprint(model),
+        teacher_hash=fingerprint.teacher_fingerprint(model),
         teacher_config=teacher_cfg.to_dict(),
         tokenizer="none" if tokenizer is None else str(getattr(tokenizer, "name_or_path", "?")),
         tokenizer_hash="" if tokenizer is None else tokenizer_fingerprint(tokenizer),

@@ -3,7 +3,7 @@
 A store is only valid for runs that feed the student the same token ids in the same sequences: another
 tokenizer gives the ids other meanings, another dataset other sequences. These digests are written into
 the store's manifest at capture and compared when a run opens it, so a mismatch fails at start-up with
-both values named, not as a silently wrong loss. The teacher's identity is ``checkpoint.teacher_fingerprint``,
+both values named, not as a silently wrong loss. The teacher's identity is ``fingerprint.teacher_fingerprint``,
 the one checkpoints record.
 """
 

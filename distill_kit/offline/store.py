@@ -106,7 +106,7 @@ class StoreSpec:
     teacher: str
     """The teacher's path or hub name, as given."""
     teacher_hash: str
-    """``checkpoint.teacher_fingerprint``: sha256 of its weights, whatever the ZeRO layout."""
+    """``fingerprint.teacher_fingerprint``: sha256 of its weights, whatever the ZeRO layout."""
     teacher_config: dict[str, Any]
     """The teacher's ``config.to_dict()``: vocabulary, width and depth for the losses and ZeRO sizes."""
     tokenizer: str

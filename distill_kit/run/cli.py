@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import shutil
@@ -18,19 +19,19 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from distill_kit.config import StudentSpec, TeacherSpec
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
+from distill_kit.distiller import Distiller
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
+from distill_kit.errors import ConfigError
 from distill_kit.run import report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
-from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint, preemption
-from distill_kit.training.multi_student import MultiStudentDistiller
-from distill_kit.training.student_spec import StudentSpec
-from distill_kit.training.teachers import TaughtStudent
 
 logger = logging.getLogger("distill_kit")
 
@@ -88,7 +89,7 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
     return {name: from_teacher.student_from_teacher(teacher, cut, calibration, device) for name, cut in wanted.items()}
 
 
-def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
+def prepare_student(student: StudentSpec, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
                     cut: nn.Module | None = None) -> StudentSpec:
     """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
     teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
@@ -96,15 +97,13 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
     teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and
     identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
     a resume reuses it."""
-    spec = {"name": student.name, "loss": student.loss, "lr": student.lr, "ds_config": student.ds_config,
-            "ds_overrides": student.ds_overrides, "peft": student.peft}
     if student.model is not None:
         if (Path(student.model) / "tokenizer_config.json").exists():
             try:
                 check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
             except ValueError as err:
                 raise ConfigError(f"students[{student.name}].model: {err}") from None
-        return StudentSpec(model=student.model, **spec)
+        return student
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():
         model_config = AutoConfig.from_pretrained(config.teacher)
@@ -119,7 +118,7 @@ def prepare_student(student: StudentConfig, config: RunConfig, tokenizer: PreTra
         (cut if cut is not None else AutoModelForCausalLM.from_config(model_config)).save_pretrained(partial)
         partial.replace(path)
     distributed.barrier()
-    return StudentSpec(model=str(path), **spec)
+    return dataclasses.replace(student, model=str(path), init={}, init_from_teacher=None)
 
 
 # Settings that may change when a run is resumed; everything else must match the run in output_dir.
@@ -181,29 +180,45 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
     return train, blocks.BlockLoader(heldout, mbs, rank=rank, world_size=world, shuffle=False, drop_last=False)
 
 
-def build_group(config: RunConfig, specs: list[StudentSpec], vocab_map: Any = None) -> Any:
-    """The students' group: several students of ``teacher`` (:class:`MultiStudentDistiller`), or one student of
-    ``teachers`` (:class:`~distill_kit.training.teachers.TaughtStudent`, its weighted sum or mixture); both give the
-    run the same interface (``students``, ``train``, ``evaluate``, ``export``, checkpoints)."""
-    group = {"training": config.training, "teacher_ds_config": config.teacher_ds_config,
-             "teacher_ds_overrides": config.teacher_ds_overrides, "student_ds_config": config.student_ds_config,
-             "student_ds_overrides": config.student_ds_overrides}
-    if not config.teachers:
-        return MultiStudentDistiller(config.teacher, specs, vocab_map=vocab_map, **group)
-    (student,) = specs  # validate: one student
-    return TaughtStudent(student, [dataclasses.asdict(t) for t in config.teachers], combine=config.combine, **group)
+def distiller_class(config: RunConfig) -> type[Distiller]:
+    """The class the run builds: ``distiller: pkg.module:Class`` (a :class:`Distiller` subclass, e.g. research code
+    that overrides one hook), or :class:`Distiller` itself."""
+    if config.distiller is None:
+        return Distiller
+    module_name, _, class_name = config.distiller.partition(":")
+    if not module_name or not class_name:
+        raise ConfigError(f"distiller: {config.distiller!r} is not an import path; write 'pkg.module:Class'")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"distiller: cannot import {config.distiller!r} ({err}); check the module is on "
+                          "PYTHONPATH and the class name is spelled as in its file") from None
+    if not (isinstance(found, type) and issubclass(found, Distiller)):
+        raise ConfigError(f"distiller: {config.distiller!r} is not a subclass of distill_kit.Distiller; subclass it "
+                          "and override the hooks you need (make_batch, teacher_forward, student_forward, "
+                          "compute_loss)")
+    return found
 
 
-def teacher_records(config: RunConfig, students: Any) -> list[dict[str, Any]]:
+def build_distiller(config: RunConfig, specs: list[StudentSpec], vocab_map: Any = None) -> Distiller:
+    """Exactly what a Python user would write: the run's students and teachers, one Distiller (or the run's
+    subclass of it)."""
+    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
+    return distiller_class(config)(
+        students=specs, teachers=teachers, combine=config.combine, training=config.training,
+        student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
+        teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
+        vocab_map=vocab_map)
+
+
+def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, Any]]:
     """Every teacher as the report records it: name, source, weight and weights' sha256 (as the checkpoints do)."""
-    if not config.teachers:
-        return [{"name": "teacher", "model": config.teacher, "weight": 1.0, "sha256": students.teacher_sha256}]
-    identities = students.distiller.teacher_identities
-    return [{"name": t.name, "model": t.model, "weight": t.weight, "sha256": identities[t.name]}
-            for t in config.teachers]
+    identities = distiller.teachers.identities
+    return [{"name": name, "model": spec.model if isinstance(spec.model, str) else type(spec.model).__name__,
+             "weight": spec.weight, "sha256": identities[name]} for name, spec in distiller.teachers.specs.items()]
 
 
-def train_students(config: RunConfig, students: MultiStudentDistiller, train_loader, eval_loader,
+def train_students(config: RunConfig, students: Distiller, train_loader, eval_loader,
                    log: RunLog) -> bool:
     """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
 
@@ -256,6 +271,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         from distill_kit.tasks import compare
         return compare.run(config, resume)
     out = Path(config.output_dir)
+    distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
     validate.validate(config, resume, identity)
     config = run_config.lead_teacher(config)  # with teachers, the first stands for "the teacher" from here on
@@ -275,7 +291,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
     with _input_errors("DeepSpeed config"):
-        students = build_group(config, specs, own and own.vocab_map)
+        students = build_distiller(config, specs, own and own.vocab_map)
     if resume and students.resume() is None:  # validate found one; it went away since
         raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
     log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to, params=params)
@@ -297,8 +313,8 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                   * distributed.world_size() * data_config.block_size)
         extra = {"seconds": time.time() - started, "world_size": distributed.world_size(), "tokens_per_step": tokens,
                  # what each engine was given: the run's values, filled in or checked equal (deepspeed_config.py)
-                 "deepspeed_configs": {"students": {name: s.student_ds_config for name, s in students.students.items()},
-                                       "teacher": students.teacher_ds_config},
+                 "deepspeed_configs": {"students": {name: s.ds_config for name, s in students.students.items()},
+                                       "teachers": students.teachers.ds_configs},
                  "teachers": teachers}
         inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
                  for s in config.students}

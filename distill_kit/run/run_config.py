@@ -9,12 +9,8 @@ of every field is its docstring in the source, so ``--help`` and the code never 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
 import json
-import math
 import textwrap
 import types
 import typing
@@ -25,12 +21,22 @@ from typing import Any, Literal
 
 import yaml
 
+from distill_kit.config import (
+    EvalConfig,
+    FromTeacherConfig,
+    StudentSpec,
+    TaskConfig,
+    TeacherSpec,
+    TrainingConfig,
+    _is_dataclass_type,
+    _plain,
+    _safe_load,
+    _yaml_problem,
+    build,
+    field_docs,
+)
 from distill_kit.data.blocks import DataConfig
-from distill_kit.engines.peft_student import AdapterConfig
 from distill_kit.errors import ConfigError
-from distill_kit.students.from_teacher import FromTeacherConfig
-from distill_kit.tasks.config import TaskConfig
-from distill_kit.training.config import TrainingConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_TEACHER = PACKAGE_DIR / "assets" / "default" / "teacher"
@@ -52,70 +58,16 @@ DEFAULT_STUDENT_CUT = FromTeacherConfig(every=2, hidden_size=128, intermediate_s
 
 
 @dataclass(frozen=True)
-class StudentConfig:
-    """One student: where it comes from, what it learns from, and its own optimizer settings."""
-
-    name: str = "distilled"
-    """A label for logs, the report and the output folders."""
-    model: str | None = None
-    """A save_pretrained directory or hub name; None builds a fresh model from ``init`` (random weights)."""
-    init: dict[str, Any] = field(default_factory=dict)
-    """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
-    loss: Any = "forward_kl"
-    """A loss name, {name: ..., params}, a list of {name, weight} for a weighted sum, or 'pkg.mod:Class'."""
-    lr: float | None = None
-    """This student's learning rate; None takes training.lr."""
-    ds_config: str | None = None
-    """This student's DeepSpeed config; None takes student_ds_config."""
-    ds_overrides: dict[str, Any] = field(default_factory=dict)
-    """Dotted DeepSpeed keys for this student only, over student_ds_overrides."""
-    peft: AdapterConfig | None = None
-    """LoRA adapters {r, alpha, dropout, target_modules, export_merged} trained on a frozen student (needs the
-    peft extra and a ZeRO-0/1/2 student); None trains every weight."""
-    init_from_teacher: FromTeacherConfig | None = None
-    """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
-    activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""
-
-    def __post_init__(self) -> None:
-        if self.init_from_teacher is not None and (self.model is not None or self.init):
-            raise ValueError("init_from_teacher builds the student itself; drop model and init from this student "
-                             "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
-
-
-@dataclass(frozen=True)
-class TeacherConfig:
-    """One of several frozen teachers of the one student (``teachers: [...]``), each its own engine."""
-
-    name: str | None = None
-    """A label for the logs (``<student>/<name>``), the report and the checkpoints' record of teacher identities."""
-    model: str | None = None
-    """A save_pretrained directory or hub name; it must use the student's tokenizer (logits are compared id by id)."""
-    weight: float = 1.0
-    """Its weight in the sum of losses, or its share of the mixture (normalised there); >= 0, one of them > 0."""
-    ds_config: str | None = None
-    """Its DeepSpeed config; None takes teacher_ds_config (ZeRO-3: each teacher sharded across the ranks)."""
-    ds_overrides: dict[str, Any] = field(default_factory=dict)
-    """Dotted DeepSpeed keys for this teacher only, over teacher_ds_overrides."""
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
-
-    every: int = 0
-    """Optimizer steps between evaluations; 0 evaluates only at the end."""
-    max_batches: int | None = None
-    """Micro-batches per rank per evaluation; None uses the whole held-out split."""
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """A whole distillation run. The defaults are the embedded default: it runs offline on 2 CPU cores."""
 
+    distiller: str | None = None
+    """Your own Distiller subclass as 'pkg.module:Class' (e.g. one that overrides compute_loss); the run then uses
+    it with the CLI's data, checkpoints, resume, evaluation and report. None: distill_kit.Distiller."""
     teacher: str | None = str(DEFAULT_TEACHER)
     """The frozen teacher: a save_pretrained directory or hub name (default: the shipped stdlib teacher). Left
     out when teachers is given (giving both is an error)."""
-    teachers: tuple[TeacherConfig, ...] | None = None
+    teachers: tuple[TeacherSpec, ...] | None = None
     """Several frozen teachers of one student, instead of teacher: [{name, model, weight, ds_config}, ...]. The
     first stands for "the teacher" where one model is meant (tokenizer, a student's init, init_from_teacher);
     evaluation compares the student with their weighted mixture. None: the one teacher of teacher."""
@@ -132,9 +84,9 @@ class RunConfig:
     teacher_block_size: int | None = None
     """With student_tokenizer: the most teacher tokens a block may hold (None: data.block_size). Raise it when the
     teacher's tokenizer is the finer one, or blocks are cut short to fit the teacher."""
-    students: tuple[StudentConfig, ...] = (
-        StudentConfig(name="distilled", init_from_teacher=DEFAULT_STUDENT_CUT, loss="forward_kl"),
-        StudentConfig(name="no_teacher", init=DEFAULT_STUDENT_INIT, loss="cross_entropy"),
+    students: tuple[StudentSpec, ...] = (
+        StudentSpec(name="distilled", init_from_teacher=DEFAULT_STUDENT_CUT, loss="forward_kl"),
+        StudentSpec(name="no_teacher", init=DEFAULT_STUDENT_INIT, loss="cross_entropy"),
     )
     """The students trained together on the same batches, each its own DeepSpeed engine."""
     data: DataConfig = field(default_factory=lambda: DataConfig(
@@ -169,21 +121,8 @@ class RunConfig:
 # ---- field documentation, from the docstrings under each field ------------------------------------------
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal written under each field of a dataclass, by field name."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
 
 
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _student_type(tp: Any) -> Any:
@@ -242,109 +181,14 @@ def help_text() -> str:
 # ---- dicts <-> dataclasses -------------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
-    """Dataclasses, tuples and paths as YAML-friendly dicts, lists and strings."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def to_dict(config: RunConfig) -> dict[str, Any]:
     return _plain(config)
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """``value`` (from YAML or a command-line string) as type ``tp``, or a ConfigError naming ``key``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, option, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
-        return value
-    if origin is tuple:
-        items = _safe_load(value, key) if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
-        if len(items) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(items)}")
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
-    if origin in (dict, Mapping) or tp is dict:
-        parsed = _safe_load(value, key) if isinstance(value, str) else value
-        if not isinstance(parsed, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(parsed)
-    if origin in (list, Sequence):
-        parsed = _safe_load(value, key) if isinstance(value, str) else value
-        return list(parsed) if isinstance(parsed, (list, tuple)) else [parsed]
-    if _is_dataclass_type(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return build(tp, value, f"{key}.")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
-        if tp is int and isinstance(value, int):
-            return value
-        if tp is int and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-            return int(value)  # exactly, even beyond a float's precision
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
-        if not math.isfinite(number):  # no setting means anything at inf or NaN; they would only fail later
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-        if tp is float:
-            return number
-        if number != int(number):  # 1.05e1 is not an integer, and must not quietly become 10
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(number)
-    if tp is str:
-        if isinstance(value, (Mapping, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    return value
 
 
-def build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
-    """A dataclass from a (possibly partial) mapping; unknown keys are errors with the closest valid key."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}': {hint}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in values.items()}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from err
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
@@ -435,18 +279,8 @@ def lead_teacher(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, teacher=config.teachers[0].model)
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """A YAML error in one line, with the line and column it points at (1-based, as editors count)."""
-    mark = getattr(err, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(str(getattr(err, "problem", None) or err).split())
 
 
-def _safe_load(text: str, key: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{key}: cannot read {text!r} as YAML ({_yaml_problem(err)})") from None
 
 
 def dump(config: RunConfig) -> str:

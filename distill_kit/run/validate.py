@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from distill_kit.config import StudentSpec
 from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed, peft_student
+from distill_kit.errors import ConfigError
 from distill_kit.run import run_config, student_tokenizer, trackers
-from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
+from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 from losses import build_loss
@@ -77,7 +79,7 @@ def _local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
 
 
-def student_init(student: StudentConfig, teacher_config: PretrainedConfig) -> dict[str, Any]:
+def student_init(student: StudentSpec, teacher_config: PretrainedConfig) -> dict[str, Any]:
     """``init`` with ``head_dim`` derived when it changes the width or the heads but not ``head_dim``: the
     teacher's would otherwise stay (``hidden_size: 32`` with 2 heads would build 128-wide attention)."""
     init = dict(student.init)

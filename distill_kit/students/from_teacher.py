@@ -33,54 +33,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from distill_kit.config import FromTeacherConfig
 from distill_kit.engines.models import active_transformers_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
-@dataclass(frozen=True)
-class FromTeacherConfig:
-    """How a student is cut out of its teacher. Depth: at most one of layers, every, first, last (none keeps every
-    layer). Width: any of hidden_size, intermediate_size, num_attention_heads, num_key_value_heads (None keeps
-    the teacher's). Sizes are what the student keeps, never more than the teacher has."""
-
-    layers: tuple[int, ...] | None = None
-    """Teacher layer indices to keep, in the student's order, e.g. [0, 2, 4, 7]."""
-    every: int | None = None
-    """Keep layers 0, n, 2n, ...: 2 is DistilBERT's every other layer."""
-    first: int | None = None
-    """Keep the first k layers."""
-    last: int | None = None
-    """Keep the last k layers."""
-    hidden_size: int | None = None
-    """Hidden channels to keep, the most important by activation magnitude (Minitron); None keeps all."""
-    intermediate_size: int | None = None
-    """MLP neurons to keep in every layer, the most important in each layer; None keeps all."""
-    num_attention_heads: int | None = None
-    """Query heads to keep in every layer (whole heads; head_dim stays the teacher's); None keeps all."""
-    num_key_value_heads: int | None = None
-    """Key-value groups to keep under grouped-query attention (each with its query heads); None keeps
-    the same fraction of groups as of query heads."""
-    calibration_batches: int = 8
-    """Training micro-batches the importance is measured on (all ranks run the same ones). Only width pruning
-    needs them."""
-
-    def __post_init__(self) -> None:
-        depth = [name for name in ("layers", "every", "first", "last") if getattr(self, name) is not None]
-        if len(depth) > 1:
-            raise ValueError(f"give at most one of layers, every, first, last; got {depth}")
-        if self.layers is not None and not self.layers:
-            raise ValueError("layers is empty; name at least one teacher layer to keep")
-        for name in ("every", "first", "last", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "calibration_batches"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-
-    @property
-    def prunes_width(self) -> bool:
-        return any(v is not None for v in (self.hidden_size, self.intermediate_size, self.num_attention_heads,
-                                           self.num_key_value_heads))
 
 
 class UnsupportedTeacherError(ValueError):

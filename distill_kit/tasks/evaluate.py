@@ -36,7 +36,7 @@ def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Exa
 
 def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32) -> float:
     """Share of prompts whose greedy answer the checker accepts."""
-    from distill_kit.run.evaluation import load_metric
+    from distill_kit.training.evaluation import load_metric
 
     answers = generate_answers(model, tokenizer, items, max_new_tokens)
     metric = load_metric("exact_match")

@@ -51,7 +51,6 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
-from torch import nn
 
 from distill_kit.engines import distributed, peft_student
 
@@ -229,32 +228,6 @@ def _read_rank_state(directory: Path, rank: int, format_: int) -> dict[str, Any]
                          f"({str(err).splitlines()[0]}). Resume only checkpoints you trust; this one was not "
                          "written by distill-kit as it is.") from None
     return state
-
-
-def teacher_fingerprint(teacher: nn.Module) -> str:
-    """sha256 of the teacher's weights (names, shapes, dtypes, values), the same on every rank.
-
-    Independent of the ZeRO layout and world size: each parameter is gathered whole in turn (one at a time, so
-    memory stays at one layer's weights), and the hashing is spread round-robin over the ranks. Call it on every
-    rank: the gathers are collectives. A teacher without weights (outputs read from a store) names itself with
-    a ``teacher_sha256`` attribute instead.
-    """
-    module = getattr(teacher, "module", teacher)  # a DeepSpeed engine wraps the model
-    if isinstance(getattr(module, "teacher_sha256", None), str):
-        return module.teacher_sha256
-    rank, world = distributed.rank(), distributed.world_size()
-    mine: dict[int, str] = {}
-    for index, (name, param) in enumerate(module.named_parameters()):
-        with deepspeed.zero.GatheredParameters([param]):
-            if index % world == rank:
-                values = param.detach().cpu().contiguous().reshape(-1)
-                digest = hashlib.sha256(f"{name}|{tuple(param.shape)}|{values.dtype}|".encode())
-                digest.update(values.view(torch.uint8).numpy().tobytes())
-                mine[index] = digest.hexdigest()
-    merged: dict[int, str] = {}
-    for part in distributed.all_gather_object(mine):
-        merged.update(part)
-    return hashlib.sha256("".join(merged[i] for i in sorted(merged)).encode()).hexdigest()
 
 
 # ---- writing ---------------------------------------------------------------------------------------------

@@ -11,12 +11,11 @@ record per optimizer step (each part the mean over the step's micro-batches and 
 engine, the step, the history, each rank's random generators and data position), and SIGTERM/SIGINT
 (``preemption.py``).
 
-The :class:`~distill_kit.distiller.Distiller`'s one model has the empty name: its records read ``step, loss,
-<part>, lr, skipped_steps`` and its checkpoint keeps the engine in ``step_N/deepspeed``. A group's models
-(:class:`~distill_kit.training.multi_student.MultiStudentDistiller`,
-:class:`~distill_kit.training.side_by_side.SideBySide`) are
-named: records read ``<name>/loss, <name>/<part>, <name>/lr``, and a checkpoint keeps each engine in
-``step_N/<name>``, next to one manifest and the state the models share (step, history, random generators, data).
+The :class:`~distill_kit.distiller.Distiller` is the one trainer. Its one-line case's model has the empty name:
+its records read ``step, loss, <part>, lr, skipped_steps`` and its checkpoint keeps the engine in
+``step_N/deepspeed``. Named models (``students=[...]``) are recorded as ``<name>/loss, <name>/<part>, <name>/lr``,
+and a checkpoint keeps each engine in ``step_N/<name>``, next to one manifest and the state the models share (step,
+history, random generators, data).
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from distill_kit.config import TrainingConfig
 from distill_kit.engines import distributed
 from distill_kit.training import checkpoint, nonfinite, preemption, schedule
-from distill_kit.training.config import TrainingConfig
 from losses import LossOutput
 from losses.base import valid_positions
 
@@ -45,9 +44,6 @@ Batch = dict[str, torch.Tensor]
 
 class Trainer:
     """The loop and the run's state (what a checkpoint keeps beyond the engines), around named engines."""
-
-    teacher: Any = None
-    """The frozen teacher, whose weights' hash every checkpoint records; None for models without one."""
 
     def __init__(self, training: TrainingConfig | None):
         self.training = training or TrainingConfig()
@@ -60,7 +56,6 @@ class Trainer:
                                                   loss_scaling=self.training.dtype == "fp16")
         self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
         self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
-        self._teacher_sha256: str | None = None
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
@@ -107,7 +102,7 @@ class Trainer:
         self.stopped_by = None
         first = len(self.history)
         micro_batches = self._micro_batches(batches)
-        progress = tqdm(total=until, initial=self.step, desc=type(self).__name__,
+        progress = tqdm(total=self.training.max_steps, initial=self.step, desc=type(self).__name__,
                         disable=not distributed.is_main(), dynamic_ncols=True)
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
@@ -214,10 +209,8 @@ class Trainer:
 
     @property
     def teacher_sha256(self) -> str | None:
-        """The teacher's identity stored with each checkpoint; computed once (on every rank: it gathers)."""
-        if self._teacher_sha256 is None and self.teacher is not None:
-            self._teacher_sha256 = checkpoint.teacher_fingerprint(self.teacher)
-        return self._teacher_sha256
+        """The frozen models' identity every checkpoint records and resume compares; None without one."""
+        return None
 
     def _checkpointed_engines(self) -> dict[str, Any]:
         """Each engine under its folder in a checkpoint: its name, or ``deepspeed`` for the Distiller's one."""

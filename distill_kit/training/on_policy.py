@@ -31,12 +31,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from distill_kit.config import OnPolicyConfig
 from distill_kit.engines import distributed
 from losses.base import IGNORE_INDEX
 
@@ -44,65 +44,6 @@ Batch = dict[str, torch.Tensor]
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
-@dataclass
-class OnPolicyConfig:
-    """Which rows of a micro-batch a model answers itself, and how it samples.
-
-    Off by default (``fraction: 0``): the batch is used exactly as the data gives it.
-    """
-
-    fraction: float = 0.0
-    """lambda in GKD: the share of each micro-batch's rows answered by samples (0 = off-policy, 1 = every row).
-    Rows without an answer (prompts) are chosen first, the rest at random; unchosen prompts count no tokens."""
-    sampler: Literal["student", "teacher"] = "student"
-    """Who writes the samples: 'student' is on-policy distillation; 'teacher' is sequence-level KD (the teacher's
-    ZeRO-3 generate steps every rank together at every token: slower than a student's, see README)."""
-    max_new_tokens: int = 64
-    """Longest sample; a sample cut here has no end token and every one of its tokens counts."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 decodes greedily."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1 keeps the whole distribution (GKD samples from it unchanged)."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 keeps all."""
-    generation_batch_size: int = 0
-    """Rows per ``generate`` call. 0: each micro-batch samples its own rows, one call each. N > 0: the chosen rows
-    of all of a step's micro-batches (``gradient_accumulation_steps`` of them) are sampled together, in calls of
-    min(N, the step's rows) rows, the last padded with copies of a prompt, so that small micro-batches sample at
-    a large batch's speed (decoding a small student is bound by per-token overhead, not arithmetic; see
-    benchmarks/RESULTS.md) and a compiled static-cache decode step sees one batch size. Choose N dividing the
-    step's sampled rows: padding rows are decoded and thrown away."""
-    cache: Literal["auto", "static", "dynamic"] = "auto"
-    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (1.8x the new
-    tokens/s of a dynamic one for a 0.5B student at batch 256 on an H200, 4x at 64), dynamic on the CPU and for a
-    ZeRO-3 teacher."""
-    sdpa_gqa: bool = True
-    """Decode with SDPA's own grouped-query attention on an accelerator (transformers' switch
-    ``TRANSFORMERS_SDPA_FORCE_GQA``, set only while ``generate`` runs): inside the compiled static-cache decode step
-    transformers otherwise copies every key/value head once per query head that shares it, at every token.
-    Measured for the 0.5B Qwen2-shaped student on an H200: 2.4x the new tokens/s at batch 256, 2.9x at 512."""
-    eos_token_id: int | None = None
-    """Token that ends a sample (counted); None reads the sampling model's generation config."""
-    pad_token_id: int | None = None
-    """Token that pads; None reads the model's config, else uses the end token."""
-
-    def __post_init__(self) -> None:
-        checks = {
-            "fraction": 0.0 <= self.fraction <= 1.0,
-            "sampler": self.sampler in ("student", "teacher"),
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "temperature": self.temperature >= 0.0,
-            "top_p": 0.0 < self.top_p <= 1.0,
-            "top_k": self.top_k >= 0,
-            "cache": self.cache in ("auto", "static", "dynamic"),
-            "generation_batch_size": self.generation_batch_size >= 0,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
-            raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
-                             "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
-                             "generation_batch_size >= 0)")
 
 
 class Sampler:

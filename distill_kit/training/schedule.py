@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from distill_kit.training.config import TrainingConfig
+from distill_kit.config import TrainingConfig
 
 
 def lr_factor(step: int, training: TrainingConfig) -> float:

@@ -1,5 +1,6 @@
-"""Several frozen teachers for one student: each its own engine (ZeRO-3 by default), every teacher's forward every
-micro-batch, one loss that combines them.
+"""The frozen side of a run: no teacher, one, or several, each its own engine (ZeRO-3 by default: sharded across the
+ranks), or a captured store. :class:`Teachers` loads them and runs their forward; a student's loss against several
+teachers is a :class:`TeacherEnsembleLoss`.
 
 Two ways to combine (``combine``):
 
@@ -23,9 +24,7 @@ record every teacher's weight hash by name, and resume refuses other teachers.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -33,57 +32,88 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
-from distill_kit.engines import deepspeed_config, distributed, kernels, models
+from distill_kit.config import TeacherSpec, TrainingConfig
+from distill_kit.engines import kernels, models
 from distill_kit.engines.build import build_teacher
+from distill_kit.engines.fingerprint import teacher_fingerprint
 from distill_kit.engines.models import ModelSource
-from distill_kit.run import evaluation, export
-from distill_kit.training import checkpoint
-from distill_kit.training.config import TrainingConfig
-from distill_kit.training.loop import Trainer
+from distill_kit.errors import ConfigError
 from distill_kit.training.on_policy import teacher_liger
-from distill_kit.training.student_spec import StudentSpec, spec_from, student_specs
-from losses import DistillationLoss, LossOutput, build_loss
+from losses import DistillationLoss, LossOutput
 from losses.base import LogitLoss
 from losses.composite import WeightedSum
 from losses.functional import mixture_logits
 
 Combine = Literal["sum", "mixture"]
+Batch = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class TeacherSpec:
-    """One frozen teacher of the student, as a user or a ``teachers: [...]`` entry describes it."""
+class Teachers:
+    """The run's frozen teachers, in order (each ZeRO-3 forward is a collective: every rank runs the same ones).
 
-    name: str
-    """Label in logs (``<name>/<part>``) and in the checkpoints' record of teacher identities."""
-    model: ModelSource
-    """A save_pretrained directory, a hub name or a built ``nn.Module``."""
-    weight: float = 1.0
-    """Its weight in the sum of losses, or its share of the mixture (weights are normalised there)."""
-    ds_config: str | Path | Mapping[str, Any] | None = None
-    """Its DeepSpeed config; None takes the group's teacher config (ZeRO-3 by default)."""
-    ds_overrides: Mapping[str, Any] = field(default_factory=dict)
-    """Dotted keys written into its config over the group's teacher overrides."""
+    ``forward`` returns what the losses read: one teacher's output, or ``{name: output}`` for several (combined by
+    each student's :class:`TeacherEnsembleLoss`); with no teacher there is nothing to run. The teachers load one
+    after another, each into its own shards, before any student: the large models must never exist unsharded next
+    to the students.
+    """
 
-    def __post_init__(self) -> None:
-        if not (self.name and self.name.replace("-", "_").replace(".", "_").isidentifier()):
-            raise ValueError(f"teacher name {self.name!r} must be a non-empty word (letters, digits, '_', '-', '.')")
-        if not (isinstance(self.weight, int | float) and math.isfinite(self.weight) and self.weight >= 0):
-            raise ValueError(f"teacher {self.name!r}: weight must be a finite number >= 0, got {self.weight!r}")
+    def __init__(self, specs: Sequence[TeacherSpec], ds_configs: Mapping[str, Mapping[str, Any]],
+                 training: TrainingConfig, device: torch.device, *, need_attentions: bool = False):
+        self.specs = {spec.name: spec for spec in specs}
+        self.ds_configs = dict(ds_configs)
+        """Each teacher's DeepSpeed config as its engine was given it, by name."""
+        self.engines: dict[str, nn.Module] = {}
+        for spec in specs:
+            model = models.load(spec.model, ds_configs[spec.name], training.dtype, need_attentions)
+            kernels.apply(model, training.teacher_kernels, "training.teacher_kernels",
+                          liger=teacher_liger(training.on_policy))
+            self.engines[spec.name] = build_teacher(model, ds_configs[spec.name], training.dtype, device)
+        self._identities: dict[str, str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    @property
+    def first(self) -> nn.Module | None:
+        """The first teacher's engine: "the teacher" where one model is meant (``sampler: teacher``)."""
+        return next(iter(self.engines.values()), None)
+
+    def forward(self, inputs: Mapping[str, Any]) -> Any:
+        """Every teacher on the same inputs, without gradients: one output, or ``{name: output}``."""
+        with torch.no_grad():
+            outputs = {name: engine(**inputs) for name, engine in self.engines.items()}
+        return next(iter(outputs.values())) if len(outputs) == 1 else outputs
+
+    def mixture(self, outputs: Any) -> Any:
+        """What evaluation compares a student with: the one teacher, or the teachers' weighted mixture at
+        temperature 1 (vocabularies cut to the smallest)."""
+        if len(self.engines) == 1:
+            return outputs
+        total = sum(spec.weight for spec in self.specs.values())
+        vocab = min(out.logits.shape[-1] for out in outputs.values())
+        return SimpleNamespace(logits=mixture_logits([outputs[name].logits[..., :vocab] for name in self.specs],
+                                                     [spec.weight / total for spec in self.specs.values()], 1.0))
+
+    @property
+    def identities(self) -> dict[str, str]:
+        """Each teacher's weight sha256 by name (computed once, on every rank: the hashes gather ZeRO-3 shards)."""
+        if self._identities is None:
+            self._identities = {name: teacher_fingerprint(engine) for name, engine in self.engines.items()}
+        return self._identities
+
+    @property
+    def sha256(self) -> str | None:
+        """What checkpoints record and resume compares: the one teacher's hash, or every teacher's name and hash."""
+        if not self.engines:
+            return None
+        if len(self.engines) == 1:
+            return next(iter(self.identities.values()))
+        return ", ".join(f"{name}={sha}" for name, sha in self.identities.items())
 
 
-def teacher_specs(entries: Sequence[TeacherSpec | Mapping[str, Any]]) -> list[TeacherSpec]:
-    """Specs from specs or dicts; unknown keys, repeated names and all-zero weights are errors."""
-    specs = [spec_from(TeacherSpec, entry, "teacher") for entry in entries]
-    names = [spec.name for spec in specs]
-    if not specs:
-        raise ValueError("no teachers: give at least one, e.g. [{name: big, model: path/to/teacher, weight: 1.0}]")
-    if len(set(names)) != len(names):
-        raise ValueError(f"teacher names must differ: {sorted({n for n in names if names.count(n) > 1})} repeat")
-    if not any(spec.weight > 0 for spec in specs):
-        raise ValueError("every teacher has weight 0: give at least one a weight > 0")
-    return specs
+def check_weights(specs: Sequence[TeacherSpec]) -> None:
+    if specs and not any(spec.weight > 0 for spec in specs):
+        raise ConfigError("teachers: every teacher has weight 0: give at least one a weight > 0")
 
 
 def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None:
@@ -168,155 +198,3 @@ def mixture_temperature(loss: DistillationLoss) -> float:
     return temperatures.pop() if temperatures else 1.0
 
 
-class MultiTeacherDistiller(Distiller):
-    """A Distiller whose teacher slot holds several frozen teachers; the step and loop are the Distiller's.
-
-    ``teacher_forward`` runs every teacher and returns ``{name: output}``; ``compute_loss`` combines them through
-    :class:`TeacherEnsembleLoss`. ``self.teacher`` is the first teacher's engine; ``self.teachers`` all of them.
-    """
-
-    def __init__(
-        self,
-        student: ModelSource,
-        teachers: Sequence[TeacherSpec | Mapping[str, Any]],
-        *,
-        loss: Any = "forward_kl",
-        combine: Combine = "sum",
-        training: TrainingConfig | None = None,
-        student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
-        teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
-        student_ds_overrides: Mapping[str, Any] | None = None,
-        teacher_ds_overrides: Mapping[str, Any] | None = None,
-        peft: Any = None,
-    ):
-        specs = teacher_specs(teachers)
-        check_tokenizers(student, specs)
-        student_facts = models.facts(student)
-        losses = {spec.name: build_loss(loss, **{f"student_{k}": v for k, v in student_facts.items()},
-                                        **{f"teacher_{k}": v for k, v in models.facts(spec.model).items()})
-                  for spec in specs}
-        ensemble = TeacherEnsembleLoss(losses, {spec.name: spec.weight for spec in specs}, combine)
-        Trainer.__init__(self, training)  # distributed start-up before any ZeRO-3 load
-        configs = {}
-        for spec in specs:  # every config checked before any teacher loads
-            _, configs[spec.name] = deepspeed_config.prepare_pair(
-                student_ds_config, spec.ds_config or teacher_ds_config, self.training,
-                student_hidden_size=student_facts["hidden_size"], teacher_hidden_size=models.hidden_size(spec.model),
-                world_size=distributed.world_size(), student_overrides=student_ds_overrides,
-                teacher_overrides={**(teacher_ds_overrides or {}), **spec.ds_overrides})
-        for spec in specs:
-            kernels.check_model_type(self.training.teacher_kernels, models.model_type(spec.model),
-                                     f"training.teacher_kernels (teacher {spec.name!r})")
-        self.teacher_ds_configs = configs
-        """Each teacher's DeepSpeed config as its engine was given it, by name."""
-        self.teachers: dict[str, nn.Module] = {}
-        for spec in specs:  # the teachers load first, one after another, each into its own shards
-            model = models.load(spec.model, configs[spec.name], self.training.dtype, ensemble.needs_attentions)
-            kernels.apply(model, self.training.teacher_kernels, "training.teacher_kernels",  # as a lone teacher's
-                          liger=teacher_liger(self.training.on_policy))
-            self.teachers[spec.name] = build_teacher(model, configs[spec.name], self.training.dtype, self.device)
-        first = specs[0]
-        super().__init__(student, first.model, loss=ensemble, training=self.training,
-                         student_ds_config=student_ds_config, teacher_ds_config=first.ds_config or teacher_ds_config,
-                         student_ds_overrides=student_ds_overrides,
-                         teacher_ds_overrides={**(teacher_ds_overrides or {}), **first.ds_overrides},
-                         shared_teacher=self.teachers[first.name], peft=peft)
-        self._teacher_identities: dict[str, str] | None = None
-
-    def teacher_forward(self, batch: Batch) -> dict[str, Any]:
-        """Every teacher, in order (each ZeRO-3 forward is a collective: every rank runs the same ones)."""
-        inputs = self.model_inputs(batch)
-        with torch.no_grad():
-            return {name: teacher(**inputs) for name, teacher in self.teachers.items()}
-
-    @property
-    def teacher_identities(self) -> dict[str, str]:
-        """Each teacher's weight sha256 by name (computed once, on every rank: the hashes gather ZeRO-3 shards)."""
-        if self._teacher_identities is None:
-            self._teacher_identities = {name: checkpoint.teacher_fingerprint(teacher)
-                                        for name, teacher in self.teachers.items()}
-        return self._teacher_identities
-
-    @property
-    def teacher_sha256(self) -> str:
-        """What checkpoints record and resume compares: every teacher's name and weight hash."""
-        return ", ".join(f"{name}={sha}" for name, sha in self.teacher_identities.items())
-
-    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
-        """As the Distiller's, with the teachers' weighted mixture at temperature 1 as "the teacher"."""
-        total = sum(self.loss.weights.values())
-        shares = {name: weight / total for name, weight in self.loss.weights.items()}
-
-        def ensemble(batch: Batch) -> Any:
-            outs = self.teacher_forward(batch)
-            vocab = min(out.logits.shape[-1] for out in outs.values())
-            return SimpleNamespace(logits=mixture_logits([outs[n].logits[..., :vocab] for n in shares],
-                                                         list(shares.values()), 1.0))
-
-        self.student.eval()
-        try:
-            return evaluation.evaluate_students({"student": self.student_forward}, ensemble, batches, self.device,
-                                                max_batches)
-        finally:
-            self.student.train()
-
-
-class TaughtStudent(Trainer):
-    """One student of several teachers as a named group: what ``scripts/distill.py`` runs for ``teachers: [...]``.
-
-    It gives the :class:`MultiTeacherDistiller` inside the interface of a
-    :class:`~distill_kit.training.multi_student.MultiStudentDistiller` of one student, so the CLI's loop, logs,
-    checkpoints and export do not change: records ``<name>/loss``, ``<name>/<teacher>``; checkpoints keep the engine
-    in ``step_N/<name>`` and every teacher's identity in the manifest; ``evaluate`` returns ``{"teacher": ..., <name>:
-    ...}`` with the teachers' weighted mixture as the teacher. The step is the Distiller's ``training_step``.
-    """
-
-    def __init__(
-        self,
-        student: StudentSpec | Mapping[str, Any],
-        teachers: Sequence[TeacherSpec | Mapping[str, Any]],
-        *,
-        combine: Combine = "sum",
-        training: TrainingConfig | None = None,
-        student_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero2_student.json",
-        teacher_ds_config: str | Path | Mapping[str, Any] = CONFIG_DIR / "zero3_teacher.json",
-        student_ds_overrides: Mapping[str, Any] | None = None,
-        teacher_ds_overrides: Mapping[str, Any] | None = None,
-    ):
-        super().__init__(training)
-        (spec,) = student_specs([student])
-        self.name = spec.name
-        self.distiller = MultiTeacherDistiller(
-            spec.model, teachers, loss=spec.loss, combine=combine, training=spec.training(self.training),
-            student_ds_config=spec.ds_config or student_ds_config, teacher_ds_config=teacher_ds_config,
-            student_ds_overrides={**(student_ds_overrides or {}), **spec.ds_overrides},
-            teacher_ds_overrides=teacher_ds_overrides, peft=spec.peft)
-        self.students: dict[str, Distiller] = {spec.name: self.distiller}
-        self.teacher = self.distiller.teacher
-        self.teacher_ds_config = self.distiller.teacher_ds_configs
-
-    @property
-    def teacher_sha256(self) -> str:
-        """Every teacher's name and weight hash, as the checkpoints record them (``MultiTeacherDistiller``)."""
-        return self.distiller.teacher_sha256
-
-    def engines(self) -> dict[str, Any]:
-        return {self.name: self.distiller.student}
-
-    def make_batch(self, batch: Batch) -> Batch:
-        return self.distiller.make_batch(batch)
-
-    def make_batches(self, batches: list[Batch]) -> list[Batch]:
-        return self.distiller.make_batches(batches)
-
-    def micro_batch(self, batch: Batch) -> dict[str, LossOutput]:
-        return {self.name: self.distiller.training_step(batch)}
-
-    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
-        metrics = self.distiller.evaluate(batches, max_batches)
-        return {"teacher": metrics["teacher"], self.name: metrics["student"]}
-
-    def export(self, directory: str | Path, tokenizer: Any | None = None) -> dict[str, Path]:
-        """The bare student as ``<directory>/<name>`` (a PEFT student's adapter folder, and ``merged`` on request)."""
-        return {self.name: export.export_student(self.distiller.student_model, Path(directory) / self.name, tokenizer,
-                                                 merged=self.distiller.export_merged)}

@@ -21,7 +21,7 @@ from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed, peft_student  # noqa: E402
-from distill_kit.run.export import export_student  # noqa: E402
+from distill_kit.training.export import export_student  # noqa: E402
 
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,

@@ -26,7 +26,7 @@ from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.data.blocks import BlockLoader  # noqa: E402
-from distill_kit.engines import distributed  # noqa: E402
+from distill_kit.engines import distributed, fingerprint  # noqa: E402
 from distill_kit.training import checkpoint  # noqa: E402
 from distill_kit.training.nonfinite import NonFiniteError  # noqa: E402
 from losses import LossOutput  # noqa: E402
@@ -101,7 +101,7 @@ def resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> Faul
     hash_before = reference.teacher_sha256
     reference.train(block_loader())
     ref_draws, ref_params = rng_draws(), gathered(reference.student_model)
-    hash_after = checkpoint.teacher_fingerprint(reference.teacher)
+    hash_after = fingerprint.teacher_fingerprint(reference.teacher)
 
     training = replace(TRAINING, checkpoint_dir=str(out / "resume_ckpt"), save_every=4)
     interrupted = Faulty(student, teacher, training=training)
@@ -117,8 +117,8 @@ def resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> Faul
     draws, params = rng_draws(), gathered(resumed.student_model)
 
     # The fingerprint of the teacher as a plain module equals that of its ZeRO-3 shards: it names the weights.
-    other_hash = checkpoint.teacher_fingerprint(GPT2LMHeadModel.from_pretrained(other_teacher))
-    plain_hash = checkpoint.teacher_fingerprint(GPT2LMHeadModel.from_pretrained(teacher))
+    other_hash = fingerprint.teacher_fingerprint(GPT2LMHeadModel.from_pretrained(other_teacher))
+    plain_hash = fingerprint.teacher_fingerprint(GPT2LMHeadModel.from_pretrained(teacher))
     try:
         checkpoint.load(checkpoint.latest_complete(training.checkpoint_dir), resumed.student, teacher_sha256=other_hash)
         refusal = ""

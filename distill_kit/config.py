@@ -1,0 +1,532 @@
+"""Every typed setting of a run, on the ground floor: the same dataclasses for a YAML run config, command-line
+overrides and Python, and the one loader that builds them from plain dicts.
+
+One concept, one dataclass: :class:`TrainingConfig` (the step and the optimizer; ``on_policy`` inside it),
+:class:`StudentSpec` and :class:`TeacherSpec` (a model of the run), :class:`AdapterConfig` (LoRA),
+:class:`FromTeacherConfig` (a student cut from its teacher), :class:`EvalConfig` and :class:`TaskConfig`. The data's
+is :class:`distill_kit.data.blocks.DataConfig`. :func:`build` turns a mapping into any of them: unknown keys are
+errors naming the closest valid key, values are converted to the field's type or refused with a ``ConfigError``.
+The help text of every field is the string under it (``field_docs``), so ``--help`` and the code never disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import math
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from distill_kit.errors import ConfigError
+
+Kernels = Literal["none", "liger", "compile", "auto"]
+CHOICES = ("none", "liger", "compile", "auto")
+
+
+def _check_kernels(choice: str, key: str) -> None:
+    """What can be checked before any model exists: the name, and that Liger is installed if asked for."""
+    if choice not in CHOICES:
+        raise ValueError(f"{key} {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError(f"{key} 'liger' needs liger-kernel: pip install 'distill-kit[liger]' (or liger-kernel), "
+                         "or set it to 'none' or 'compile'")
+
+
+
+@dataclass
+class OnPolicyConfig:
+    """Which rows of a micro-batch a model answers itself, and how it samples.
+
+    Off by default (``fraction: 0``): the batch is used exactly as the data gives it.
+    """
+
+    fraction: float = 0.0
+    """lambda in GKD: the share of each micro-batch's rows answered by samples (0 = off-policy, 1 = every row).
+    Rows without an answer (prompts) are chosen first, the rest at random; unchosen prompts count no tokens."""
+    sampler: Literal["student", "teacher"] = "student"
+    """Who writes the samples: 'student' is on-policy distillation; 'teacher' is sequence-level KD (the teacher's
+    ZeRO-3 generate steps every rank together at every token: slower than a student's, see README)."""
+    max_new_tokens: int = 64
+    """Longest sample; a sample cut here has no end token and every one of its tokens counts."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 decodes greedily."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 keeps the whole distribution (GKD samples from it unchanged)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    generation_batch_size: int = 0
+    """Rows per ``generate`` call. 0: each micro-batch samples its own rows, one call each. N > 0: the chosen rows
+    of all of a step's micro-batches (``gradient_accumulation_steps`` of them) are sampled together, in calls of
+    min(N, the step's rows) rows, the last padded with copies of a prompt, so that small micro-batches sample at
+    a large batch's speed (decoding a small student is bound by per-token overhead, not arithmetic; see
+    benchmarks/RESULTS.md) and a compiled static-cache decode step sees one batch size. Choose N dividing the
+    step's sampled rows: padding rows are decoded and thrown away."""
+    cache: Literal["auto", "static", "dynamic"] = "auto"
+    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (1.8x the new
+    tokens/s of a dynamic one for a 0.5B student at batch 256 on an H200, 4x at 64), dynamic on the CPU and for a
+    ZeRO-3 teacher."""
+    sdpa_gqa: bool = True
+    """Decode with SDPA's own grouped-query attention on an accelerator (transformers' switch
+    ``TRANSFORMERS_SDPA_FORCE_GQA``, set only while ``generate`` runs): inside the compiled static-cache decode step
+    transformers otherwise copies every key/value head once per query head that shares it, at every token.
+    Measured for the 0.5B Qwen2-shaped student on an H200: 2.4x the new tokens/s at batch 256, 2.9x at 512."""
+    eos_token_id: int | None = None
+    """Token that ends a sample (counted); None reads the sampling model's generation config."""
+    pad_token_id: int | None = None
+    """Token that pads; None reads the model's config, else uses the end token."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "fraction": 0.0 <= self.fraction <= 1.0,
+            "sampler": self.sampler in ("student", "teacher"),
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "temperature": self.temperature >= 0.0,
+            "top_p": 0.0 < self.top_p <= 1.0,
+            "top_k": self.top_k >= 0,
+            "cache": self.cache in ("auto", "static", "dynamic"),
+            "generation_batch_size": self.generation_batch_size >= 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
+            raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
+                             "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
+                             "generation_batch_size >= 0)")
+
+
+DType = Literal["fp32", "bf16", "fp16"]
+LRSchedule = Literal["linear", "cosine", "constant"]
+@dataclass
+class TrainingConfig:
+    """What one optimizer step looks like and how the student learns.
+
+    These are the values a user writes once; every ``"auto"`` in either DeepSpeed config is filled from
+    them, so the two engines can never disagree about micro-batch size or precision.
+    """
+
+    max_steps: int = 100
+    """Optimizer steps to take (each is ``gradient_accumulation_steps`` micro-batches per rank)."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward; the teacher engine uses the same."""
+    gradient_accumulation_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Steps of linear warm-up: step k of them uses lr * k / warmup_steps; 0 or 1 is the full lr at step 1."""
+    lr_schedule: LRSchedule = "linear"
+    """After warm-up: 'linear' or 'cosine' decay to min_lr_ratio * lr (reached just after the last step), or
+    'constant'. The run's, whatever the DeepSpeed config says: the lr of every step is in training/schedule.py."""
+    min_lr_ratio: float = 0.0
+    """Where the decay ends, as a fraction of lr; e.g. 0.1 with cosine for a decay to 10%."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    dtype: DType = "fp32"
+    """Precision of both engines: bf16 on modern GPUs; fp32 on the CPU, where bf16 matmuls are slow."""
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_dir: str | None = None
+    """Where checkpoints go, one ``step_N`` folder each; None writes none (a signal then only stops the run)."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints; 0 saves only after the last step and when a signal stops the run."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; the oldest is deleted only once a newer one is complete."""
+    max_bad_steps: int = 3
+    """Non-finite (NaN/inf loss or gradient) steps in a row that stop the run; fewer are skipped and counted."""
+    teacher_kernels: Kernels = "auto"
+    """Faster kernels for the teacher (``distill_kit/engines/kernels.py``): liger (Liger-Kernel's RoPE, RMSNorm,
+    SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
+    on a GPU where Liger supports the architecture, else none."""
+    student_kernels: Kernels = "auto"
+    """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
+    its compiled decode step's CUDA graphs: ``on_policy.student_kernels``)."""
+    fused_loss: bool = True
+    """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
+    student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2
+    student of a known architecture, no loss that reads full logits); the run's log says when it is not."""
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_steps": self.max_steps >= 1,
+            "micro_batch_size": self.micro_batch_size >= 1,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps >= 1,
+            "lr": self.lr > 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "lr_schedule": self.lr_schedule in ("linear", "cosine", "constant"),
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "max_grad_norm": self.max_grad_norm >= 0,
+            "dtype": self.dtype in ("fp32", "bf16", "fp16"),
+            "log_every": self.log_every >= 1,
+            "save_every": self.save_every >= 0,
+            "keep_checkpoints": self.keep_checkpoints >= 1,
+            "max_bad_steps": self.max_bad_steps >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+            raise ValueError(f"invalid training settings: {values}")
+        for key in ("teacher_kernels", "student_kernels"):
+            _check_kernels(getattr(self, key), f"training.{key}")
+        self.betas = tuple(self.betas)
+        if isinstance(self.on_policy, dict):
+            self.on_policy = OnPolicyConfig(**self.on_policy)
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """LoRA adapters on a pretrained student (Hu et al. 2021): ``W x + (alpha / r) B A x``, only A and B trained.
+
+    ``r`` and ``alpha`` follow the LoRA paper and ``peft``'s defaults' spirit: a small rank is enough to steer a
+    good model, and ``alpha / r`` sets the adapters' scale independently of the rank.
+    """
+
+    r: int = 8
+    """Rank of each adapter: trained parameters per adapted (d_in x d_out) layer are r * (d_in + d_out)."""
+    alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / r) * B A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0: none, so a step is deterministic given the data)."""
+    target_modules: tuple[str, ...] | str = "all-linear"
+    """Module names to adapt (e.g. [q_proj, v_proj]), or 'all-linear': every linear layer but the output head."""
+    export_merged: bool = False
+    """Also export the merged model (base + adapters folded in) to <export>/<name>/merged, which
+    AutoModelForCausalLM.from_pretrained loads without peft."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"peft.r must be >= 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("peft.target_modules is empty: name the layers to adapt, or use 'all-linear'")
+
+
+@dataclass(frozen=True)
+class FromTeacherConfig:
+    """How a student is cut out of its teacher. Depth: at most one of layers, every, first, last (none keeps every
+    layer). Width: any of hidden_size, intermediate_size, num_attention_heads, num_key_value_heads (None keeps
+    the teacher's). Sizes are what the student keeps, never more than the teacher has."""
+
+    layers: tuple[int, ...] | None = None
+    """Teacher layer indices to keep, in the student's order, e.g. [0, 2, 4, 7]."""
+    every: int | None = None
+    """Keep layers 0, n, 2n, ...: 2 is DistilBERT's every other layer."""
+    first: int | None = None
+    """Keep the first k layers."""
+    last: int | None = None
+    """Keep the last k layers."""
+    hidden_size: int | None = None
+    """Hidden channels to keep, the most important by activation magnitude (Minitron); None keeps all."""
+    intermediate_size: int | None = None
+    """MLP neurons to keep in every layer, the most important in each layer; None keeps all."""
+    num_attention_heads: int | None = None
+    """Query heads to keep in every layer (whole heads; head_dim stays the teacher's); None keeps all."""
+    num_key_value_heads: int | None = None
+    """Key-value groups to keep under grouped-query attention (each with its query heads); None keeps
+    the same fraction of groups as of query heads."""
+    calibration_batches: int = 8
+    """Training micro-batches the importance is measured on (all ranks run the same ones). Only width pruning
+    needs them."""
+
+    def __post_init__(self) -> None:
+        depth = [name for name in ("layers", "every", "first", "last") if getattr(self, name) is not None]
+        if len(depth) > 1:
+            raise ValueError(f"give at most one of layers, every, first, last; got {depth}")
+        if self.layers is not None and not self.layers:
+            raise ValueError("layers is empty; name at least one teacher layer to keep")
+        for name in ("every", "first", "last", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "calibration_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+    @property
+    def prunes_width(self) -> bool:
+        return any(v is not None for v in (self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                                           self.num_key_value_heads))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
+
+    every: int = 0
+    """Optimizer steps between evaluations; 0 evaluates only at the end."""
+    max_batches: int | None = None
+    """Micro-batches per rank per evaluation; None uses the whole held-out split."""
+
+
+RECIPES = ("teacher", "sft", "forward_kl", "seq_kd", "on_policy_reverse_kl", "on_policy_jsd", "mixed")
+EXTRA_RECIPES = ("on_policy_forward_kl",)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """With ``name`` set, ``scripts/distill.py`` runs the task's comparison (``distill_kit/tasks/compare.py``):
+    every recipe from the first student's initial weights and ``training.max_steps`` steps, then greedy
+    exact-match accuracy on held-out prompts, into report.json."""
+
+    name: Literal["arithmetic"] | None = None
+    """The task; None trains the students on ``data`` as usual."""
+    labelled: int = 300
+    """Prompts with reference answers: all SFT and off-policy KD see (distillation helps most where answers are few)."""
+    prompts: int = 20000
+    """Prompts without answers: what sequence-level KD and on-policy distillation learn from (the teacher answers)."""
+    heldout: int = 500
+    """Held-out prompts for greedy exact-match accuracy and the teacher-student KL on their answers."""
+    warm_start_steps: int = 100
+    """SFT steps on the labelled answers before the on-policy recipes (part of their max_steps): a random student's
+    samples are noise the teacher cannot correct (GKD; measured: on-policy from scratch learns nothing)."""
+    recipes: tuple[str, ...] = RECIPES
+    """Which rows to run, of: teacher, sft, forward_kl, seq_kd, on_policy_reverse_kl, on_policy_jsd, mixed, and
+    on_policy_forward_kl (GKD's on-policy forward KL; not in the issue's table, so not run by default)."""
+    max_new_tokens: int = 32
+    """Longest answer sampled in training or generated in evaluation (the task's answers are 27 tokens)."""
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.recipes if r not in RECIPES + EXTRA_RECIPES]
+        if unknown:
+            raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES + EXTRA_RECIPES)}")
+        if min(self.labelled, self.prompts, self.heldout) < 1 or self.warm_start_steps < 0:
+            raise ValueError("task.labelled, task.prompts and task.heldout must be >= 1, warm_start_steps >= 0")
+
+
+def _check_name(name: Any, kind: str) -> None:
+    if not (isinstance(name, str) and name and name.replace("-", "_").replace(".", "_").isidentifier()):
+        raise ValueError(f"{kind} name {name!r} must be a non-empty word (letters, digits, '_', '-', '.'): it names "
+                         "the model's log keys and its folders")
+
+
+@dataclass(frozen=True)
+class StudentSpec:
+    """One trained model: where it comes from, what it learns from, and its own optimizer settings.
+
+    Everything that shapes a batch (micro-batch, accumulation, steps, precision) is the run's
+    :class:`TrainingConfig`, because every model steps on the same micro-batches; what an optimizer does with them
+    is the model's own.
+    """
+
+    name: str = "student"
+    """Label in logs (``<name>/loss``), the report, and the folder of its checkpoints and export (``<dir>/<name>``)."""
+    model: str | None = None
+    """A save_pretrained directory or hub name (in Python also a built ``nn.Module``). None: the run builds a
+    fresh model from the teacher's config with ``init`` overrides (random weights), or cuts it from the teacher
+    (``init_from_teacher``)."""
+    init: dict[str, Any] = field(default_factory=dict)
+    """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
+    loss: Any = "forward_kl"
+    """A registered loss name, {name: ..., params}, a list of {name, weight} for a weighted sum, or
+    'pkg.module:Class'."""
+    lr: float | None = None
+    """Its learning rate (fills its "auto" lr and warm-up peak); None takes training.lr."""
+    ds_config: str | None = None
+    """Its DeepSpeed config (JSON/HJSON, "auto" allowed); None takes the run's student_ds_config."""
+    ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys for this student only, over student_ds_overrides, e.g. {zero_optimization.stage: 3}."""
+    peft: AdapterConfig | None = None
+    """LoRA adapters {r, alpha, dropout, target_modules, export_merged} trained on a frozen student (needs the
+    peft extra and a ZeRO-0/1/2 student); None trains every weight. Python also takes a ``peft.PeftConfig``."""
+    init_from_teacher: FromTeacherConfig | None = None
+    """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
+    activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "student")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"student {self.name!r}: lr must be > 0, got {self.lr}")
+        if self.init_from_teacher is not None and (self.model is not None or self.init):
+            raise ValueError("init_from_teacher builds the student itself; drop model and init from this student "
+                             "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
+        if isinstance(self.peft, Mapping):
+            object.__setattr__(self, "peft", build(AdapterConfig, self.peft, "peft."))
+        if isinstance(self.init_from_teacher, Mapping):
+            object.__setattr__(self, "init_from_teacher", build(FromTeacherConfig, self.init_from_teacher,
+                                                                "init_from_teacher."))
+
+    def training(self, run: TrainingConfig) -> TrainingConfig:
+        """The run's settings with this model's own learning rate."""
+        return run if self.lr is None else dataclasses.replace(run, lr=self.lr)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One frozen teacher, each its own engine (ZeRO-3 by default: sharded across the ranks)."""
+
+    name: str = "teacher"
+    """Label in logs (``<student>/<name>``), the report and the checkpoints' record of teacher identities."""
+    model: str | None = None
+    """A save_pretrained directory or hub name (in Python also a built ``nn.Module`` or a ``CapturedTeacher``).
+    With several teachers each must use the student's tokenizer (logits are compared id by id)."""
+    weight: float = 1.0
+    """Its weight in the sum of losses, or its share of the mixture (normalised there); >= 0, one of them > 0."""
+    ds_config: str | None = None
+    """Its DeepSpeed config; None takes the run's teacher_ds_config."""
+    ds_overrides: dict[str, Any] = field(default_factory=dict)
+    """Dotted DeepSpeed keys for this teacher only, over teacher_ds_overrides."""
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, "teacher")
+        if self.model is None:
+            raise ValueError(f"teacher {self.name!r} has no model: give model: path/to/teacher")
+        if not (isinstance(self.weight, int | float) and not isinstance(self.weight, bool)
+                and math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"teacher {self.name!r}: weight must be a finite number >= 0, got {self.weight!r}")
+
+
+def specs(cls: type, entries: Sequence[Any], kind: str) -> list[Any]:
+    """``entries`` (specs or plain dicts) as a list of ``cls`` with distinct names; dicts go through :func:`build`."""
+    built = [build(cls, entry, f"{kind}s[{i}].") if isinstance(entry, Mapping) else entry
+             for i, entry in enumerate(entries)]
+    names = [spec.name for spec in built]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"{kind}s: names must differ (they name folders and log keys): {repeated} repeat; give "
+                          f"each {kind} its own name")
+    return built
+
+
+# ---- dicts <-> dataclasses ---
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal written under each field of a dataclass, by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses, tuples and paths as YAML-friendly dicts, lists and strings."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """``value`` (from YAML or a command-line string) as type ``tp``, or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is tuple:
+        items = _safe_load(value, key) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
+        if len(items) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(items)}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(items, args, strict=True)))
+    if origin in (dict, Mapping) or tp is dict:
+        parsed = _safe_load(value, key) if isinstance(value, str) else value
+        if not isinstance(parsed, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(parsed)
+    if origin in (list, Sequence):
+        parsed = _safe_load(value, key) if isinstance(value, str) else value
+        return list(parsed) if isinstance(parsed, (list, tuple)) else [parsed]
+    if _is_dataclass_type(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return build(tp, value, f"{key}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+        if tp is int and isinstance(value, int):
+            return value
+        if tp is int and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)  # exactly, even beyond a float's precision
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+        if not math.isfinite(number):  # no setting means anything at inf or NaN; they would only fail later
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        if tp is float:
+            return number
+        if number != int(number):  # 1.05e1 is not an integer, and must not quietly become 10
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(number)
+    if tp is str:
+        if isinstance(value, (Mapping, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
+    """A dataclass from a (possibly partial) mapping; unknown keys are errors with the closest valid key."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}': {hint}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from err
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line, with the line and column it points at (1-based, as editors count)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
+
+
+def _safe_load(text: str, key: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}: cannot read {text!r} as YAML ({_yaml_problem(err)})") from None

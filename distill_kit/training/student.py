@@ -1,0 +1,98 @@
+"""One trained model of a run, without a loop: its engine, its loss, its forward, its export.
+
+The :class:`~distill_kit.distiller.Distiller` holds one :class:`Student` per trained model and runs the step over
+them; the loop around the step (``training/loop.py``) sees only each student's engine, by its key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+from torch import nn
+
+from distill_kit.config import StudentSpec, TrainingConfig
+from distill_kit.engines import kernels, models, peft_student
+from distill_kit.engines.build import build_student
+from distill_kit.engines.deepspeed_config import zero_stage
+from distill_kit.engines.head import why_not_fused
+from distill_kit.errors import ConfigError
+from distill_kit.training.export import export_student
+from distill_kit.training.on_policy import student_kernels
+from losses import DistillationLoss
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, Any]
+
+
+class Student:
+    """A trained model: loaded under its own ZeRO layout, wrapped with its loss into a DeepSpeed engine.
+
+    ``key`` names it in the loop's records and checkpoints: the empty key is the one-student form
+    (``Distiller(student, teacher)``: records ``loss``, checkpoint folder ``deepspeed``); otherwise it is ``name``
+    (records ``<name>/loss``, checkpoint folder ``<name>``).
+    """
+
+    def __init__(self, spec: StudentSpec, key: str, loss: DistillationLoss, ds_config: Mapping[str, Any],
+                 training: TrainingConfig, *, teacher_vocab_size: int | None = None, main: bool = True):
+        self.spec, self.key, self.name, self.loss = spec, key, spec.name, loss
+        self.ds_config = ds_config
+        """The DeepSpeed config its engine was given (every "auto" filled from the run)."""
+        self.training = training
+        adapters = None
+        if spec.peft is not None:
+            try:
+                adapters = peft_student.check(spec.peft, zero_stage(ds_config))
+            except ValueError as err:
+                raise ConfigError(f"student {spec.name!r}: peft: {err}") from None
+        self.export_merged = peft_student.wants_merged_export(spec.peft)
+        model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions)
+        kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels")
+        check_vocabulary(model, teacher_vocab_size, spec.name)
+        if adapters is not None:
+            model = peft_student.wrap(model, adapters)
+        self.engine: deepspeed.DeepSpeedEngine = build_student(model, loss, ds_config, training)
+        unfused = why_not_fused(model, loss, ds_config, training.fused_loss)
+        if unfused and training.fused_loss and main:
+            logger.info("student %r: logits materialised in full: %s", spec.name, unfused)
+        self.fused_head = unfused is None
+        """The student runs without its output head; logit losses apply it chunk by chunk (``losses/fused.py``)."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The bare model (no engine, no loss parameters), e.g. for export or sampling."""
+        return self.engine.module.student
+
+    def inputs(self, batch: Batch) -> dict[str, Any]:
+        """What it is called with: no labels (the loss modules own every loss), positions when the batch carries
+        them (packed rows), and hidden states or attentions only when its loss asks for them."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
+                  "output_hidden_states": self.loss.needs_hidden_states,
+                  "output_attentions": self.loss.needs_attentions}
+        if "position_ids" in batch:
+            inputs["position_ids"] = batch["position_ids"]
+        return inputs
+
+    def forward(self, batch: Batch) -> Any:
+        """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
+        return self.engine(**self.inputs(batch), head=not self.fused_head)
+
+    def export(self, directory: str | Path, tokenizer: Any | None = None) -> Path:
+        """A Hugging Face model directory (a PEFT student's: its adapter folder, and ``merged`` on request)."""
+        return export_student(self.model, directory, tokenizer, merged=self.export_merged)
+
+
+def check_vocabulary(model: nn.Module, teacher_vocab_size: int | None, name: str) -> None:
+    """A teacher vocabulary padded past the student's is cut by the losses; a larger student one is an error."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab and teacher_vocab_size and vocab > teacher_vocab_size:
+        raise ConfigError(
+            f"student {name!r}: its vocabulary ({vocab}) is larger than the teacher's ({teacher_vocab_size}): they "
+            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to distil "
+            "across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map=VocabMap."
+            "build(student_tokenizer, teacher_tokenizer)) (a run config: student_tokenizer)."
+        )
