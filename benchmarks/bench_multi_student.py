@@ -1,7 +1,7 @@
 """Two (or N) students sharing one teacher forward against the same students in separate runs.
 
 Both sides train the same students (same models, losses, configs, learning rates) on the same batches for
-the same steps; the shared side is one :class:`MultiStudentDistiller`, the separate side one
+the same steps; the shared side is one one :class:`Distiller` of several students, the separate side one
 :class:`Distiller` per student, run one after another, as a user without the shared mode would. Each
 side is timed after ``warmup`` steps and reports student tokens/s (non-padding input tokens each student
 trained on, summed over students and ranks, per second), the teacher forwards it ran, and peak memory.
@@ -34,11 +34,10 @@ from torch import nn
 from transformers import AutoConfig
 
 from distill_kit import Distiller, TrainingConfig
+from distill_kit.config import StudentSpec
 from distill_kit.distiller import CONFIG_DIR, Batch
 from distill_kit.engines import deepspeed_config, distributed
 from distill_kit.engines.models import ModelSource
-from distill_kit.training.multi_student import MultiStudentDistiller
-from distill_kit.training.student_spec import StudentSpec
 
 Source = ModelSource | Callable[[], nn.Module]
 """A path or hub name, or a factory of fresh modules: one built module cannot be wrapped by two engines."""
@@ -48,7 +47,7 @@ def _build(source: Source) -> ModelSource:
     return source() if callable(source) and not isinstance(source, nn.Module) else source
 
 
-def _timed(trainer: Distiller | MultiStudentDistiller, batches: list[Batch], warmup: int) -> dict[str, float]:
+def _timed(trainer: Distiller, batches: list[Batch], warmup: int) -> dict[str, float]:
     """Seconds of the steps after ``warmup``, the teacher forwards they ran, and this run's peak memory."""
     teacher = getattr(trainer.teacher, "module", trainer.teacher)
     forwards = [0]
@@ -97,9 +96,8 @@ def compare(
     local_tokens = sum(int(b["attention_mask"].sum()) for b in timed)
     tokens = distributed.all_reduce_sum(torch.tensor(float(local_tokens))).item() * len(students)
 
-    shared = MultiStudentDistiller(_build(teacher), [replace(spec, model=_build(spec.model)) for spec in students],
-                                   training=training, teacher_ds_config=teacher_ds_config,
-                                   student_ds_config=student_ds_config)
+    shared = Distiller(teacher=_build(teacher), students=[replace(spec, model=_build(spec.model)) for spec in students],
+                       training=training, teacher_ds_config=teacher_ds_config, student_ds_config=student_ds_config)
     shared_run = _timed(shared, batches, warmup)
     del shared
     _release()

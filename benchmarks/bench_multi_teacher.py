@@ -1,7 +1,7 @@
 """What a second teacher costs: step time and peak memory of one student taught by 1 or N teachers.
 
 Every teacher runs its forward every micro-batch, so the teacher share of the step grows with N. One mode per
-process (peak memory is the process's): ``one`` (a Distiller), ``sum`` or ``mixture`` (a MultiTeacherDistiller
+process (peak memory is the process's): ``one`` (a Distiller), ``sum`` or ``mixture`` (a Distiller of several teachers
 with ``--teachers`` copies of the teacher, equal weights). Reports the median step seconds after ``--warmup``
 steps, the median CPU seconds this process spent per step (steadier than wall time on a shared CPU machine),
 student tokens/s, and the process's peak resident memory (CPU) or peak accelerator memory.
@@ -27,7 +27,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from distill_kit import Distiller, TrainingConfig
 from distill_kit.engines import distributed
 from distill_kit.run.run_config import DEFAULT_STUDENT_INIT, DEFAULT_TEACHER
-from distill_kit.training.teachers import MultiTeacherDistiller
 
 
 def main() -> None:
@@ -51,7 +50,7 @@ def main() -> None:
         distiller = Distiller(student, args.teacher, training=training)
     else:
         teachers = [{"name": f"t{i}", "model": args.teacher} for i in range(args.teachers)]
-        distiller = MultiTeacherDistiller(student, teachers, combine=args.mode, training=training)
+        distiller = Distiller(student, teachers=teachers, combine=args.mode, training=training)
     generator = torch.Generator().manual_seed(distributed.rank())
     batches = [{"input_ids": (ids := torch.randint(0, config.vocab_size, (args.micro_batch, args.length),
                                                    generator=generator)),

@@ -131,9 +131,8 @@ def measure_step(args, device: torch.device, run: str, teacher, student) -> tupl
         student_hidden_size=pair.student.hidden_size, teacher_hidden_size=pair.teacher.hidden_size,
         world_size=distributed.world_size())
     teacher_model = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, "sdpa") if teacher is None else None
-    distiller = Timed(student, teacher_model if teacher is None else teacher.module, loss="forward_kl",
-                      training=training, student_ds_config=student_cfg, teacher_ds_config=teacher_cfg,
-                      shared_teacher=teacher)
+    distiller = Timed(student, teacher_model if teacher is None else teacher, loss="forward_kl",
+                      training=training, student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
     length = args.prompt_len + args.new_tokens
     generator = torch.Generator().manual_seed(args.seed + distributed.rank())
     batches = []

@@ -325,8 +325,6 @@ class StudentSpec:
     """A save_pretrained directory or hub name (in Python also a built ``nn.Module``). None: the run builds a
     fresh model from the teacher's config with ``init`` overrides (random weights), or cuts it from the teacher
     (``init_from_teacher``)."""
-    init: dict[str, Any] = field(default_factory=dict)
-    """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
     loss: Any = "forward_kl"
     """A registered loss name, {name: ..., params}, a list of {name, weight} for a weighted sum, or
     'pkg.module:Class'."""
@@ -339,6 +337,8 @@ class StudentSpec:
     peft: AdapterConfig | None = None
     """LoRA adapters {r, alpha, dropout, target_modules, export_merged} trained on a frozen student (needs the
     peft extra and a ZeRO-0/1/2 student); None trains every weight. Python also takes a ``peft.PeftConfig``."""
+    init: dict[str, Any] = field(default_factory=dict)
+    """Config overrides applied to the teacher's config to build a fresh student, e.g. {num_hidden_layers: 2}."""
     init_from_teacher: FromTeacherConfig | None = None
     """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
     activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from distill_kit import TrainingConfig
+from distill_kit.config import StudentSpec, TeacherSpec, specs
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, TrainedConfig, prepare_group
-from distill_kit.training.student_spec import StudentSpec, student_specs
+from distill_kit.errors import ConfigError
 from losses import build_loss
 from losses.functional import forward_kl
 
@@ -19,16 +20,17 @@ TRAINING = TrainingConfig(max_steps=10, micro_batch_size=2, lr=1e-3)
 
 
 def test_specs_from_dicts_and_their_errors():
-    small, big = student_specs([StudentSpec("small", "a"), {"name": "big", "model": "b", "lr": 1e-4}])
+    """One loader for specs given in Python and in a run config: the same dataclass, the same errors."""
+    small, big = specs(StudentSpec, [StudentSpec("small", "a"), {"name": "big", "model": "b", "lr": 1e-4}], "student")
     assert big.training(TRAINING).lr == 1e-4 and small.training(TRAINING) is TRAINING
-    with pytest.raises(ValueError, match="'los' \\(did you mean 'loss'\\?\\)"):
-        student_specs([{"name": "x", "model": "a", "los": "forward_kl"}])
-    with pytest.raises(ValueError, match="must differ"):
-        student_specs([StudentSpec("x", "a"), StudentSpec("x", "b")])
+    with pytest.raises(ConfigError, match=r"unknown config key 'students\[0\].los': did you mean 'students\[0\].loss'"):
+        specs(StudentSpec, [{"name": "x", "model": "a", "los": "forward_kl"}], "student")
+    with pytest.raises(ConfigError, match="must differ"):
+        specs(StudentSpec, [StudentSpec("x", "a"), StudentSpec("x", "b")], "student")
     with pytest.raises(ValueError, match="non-empty word"):
         StudentSpec("a/b", "a")
-    with pytest.raises(ValueError, match="no students"):
-        student_specs([])
+    with pytest.raises(ConfigError, match=r"teachers\[0\]: .*weight must be a finite number >= 0"):
+        specs(TeacherSpec, [{"name": "t", "model": "m", "weight": -1}], "teacher")
 
 
 def test_grouped_configs_report_every_students_problems_at_once():

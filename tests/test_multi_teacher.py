@@ -11,8 +11,10 @@ from launch import ROOT, run_ranks
 from tiny_models import gpt2_config
 from transformers import AutoTokenizer, GPT2LMHeadModel
 
+from distill_kit import Distiller, TeacherSpec
+from distill_kit.config import specs
 from distill_kit.run.run_config import DEFAULT_TEACHER
-from distill_kit.training.teachers import MultiTeacherDistiller, teacher_specs
+from distill_kit.training.teachers import check_weights
 from losses import functional
 
 WORKER = ROOT / "tests/workers/teacher_scenarios.py"
@@ -47,11 +49,15 @@ def test_forward_kl_to_each_teacher_differs_from_kl_to_their_mixture_by_a_consta
 
 
 def test_teacher_entries_are_checked_before_anything_loads():
-    with pytest.raises(ValueError, match=r"unknown teacher keys 'wieght' \(did you mean 'weight'\?\)"):
+    def teacher_specs(entries):
+        return specs(TeacherSpec, entries, "teacher")
+
+    with pytest.raises(ValueError, match=r"unknown config key 'teachers\[0\].wieght': did you mean "
+                                         r"'teachers\[0\].weight'\?"):
         teacher_specs([{"name": "a", "model": "x", "wieght": 1.0}])
     with pytest.raises(ValueError, match=r"every teacher has weight 0"):
-        teacher_specs([{"name": "a", "model": "x", "weight": 0.0}])
-    with pytest.raises(ValueError, match=r"teacher names must differ: \['a'\]"):
+        check_weights(teacher_specs([{"name": "a", "model": "x", "weight": 0.0}]))
+    with pytest.raises(ValueError, match=r"names must differ .*\['a'\] repeat"):
         teacher_specs([{"name": "a", "model": "x"}, {"name": "a", "model": "y"}])
     with pytest.raises(ValueError, match=r"weight must be a finite number >= 0"):
         teacher_specs([{"name": "a", "model": "x", "weight": -1.0}])
@@ -70,16 +76,17 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_loading(tmp_path):
     tokenizer.save_pretrained(dirs["other"])
     with pytest.raises(ValueError, match=r"tokenizers differ: 'student' has \d+ tokens, 'other' \d+.*student's "
                                          r"tokenizer"):
-        MultiTeacherDistiller(dirs["student"], [{"name": "same", "model": dirs["same"]},
-                                                {"name": "other", "model": dirs["other"]}])
+        Distiller(dirs["student"], teachers=[{"name": "same", "model": dirs["same"]},
+                                             {"name": "other", "model": dirs["other"]}])
 
 
 def test_mixture_refuses_hidden_state_losses(tmp_path):
     torch.manual_seed(0)
     GPT2LMHeadModel(gpt2_config(width=32, layers=1)).save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=r"hidden-state and attention losses .* use combine: sum"):
-        MultiTeacherDistiller(tmp_path / "m", [{"name": "a", "model": tmp_path / "m"}], loss="hidden_mse",
-                              combine="mixture")
+        Distiller(tmp_path / "m", teachers=[{"name": "a", "model": tmp_path / "m"},
+                                            {"name": "b", "model": tmp_path / "m"}], loss="hidden_mse",
+                  combine="mixture")
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,12 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from torch import nn
 
 from distill_kit import TrainingConfig
-from distill_kit.distiller import check_vocabularies
 from distill_kit.engines import fingerprint
 from distill_kit.training import checkpoint
 from distill_kit.training.loop import Trainer
 from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
 from distill_kit.training.preemption import StopRequest
+from distill_kit.training.student import check_vocabulary
 
 HASH = "a" * 64
 
@@ -234,9 +234,9 @@ def test_a_student_vocabulary_larger_than_the_teachers_is_refused():
     def model(vocab):
         return SimpleNamespace(config=SimpleNamespace(vocab_size=vocab))
 
-    with pytest.raises(ValueError, match=r"student's vocabulary \(120\) is larger than the teacher's \(96\)"):
-        check_vocabularies(model(120), model(96))
-    check_vocabularies(model(96), model(128))  # a padded teacher vocabulary is cut by the losses
+    with pytest.raises(ValueError, match=r"vocabulary \(120\) is larger than the teacher's \(96\)"):
+        check_vocabulary(model(120), 96, "student")
+    check_vocabulary(model(96), 128, "student")  # a padded teacher vocabulary is cut by the losses
 
 
 def _reseal(path: Path, **manifest_changes) -> None:

@@ -11,14 +11,14 @@ import sys
 import pytest
 from launch import ROOT
 
+from distill_kit import Distiller
 from distill_kit.config import TrainingConfig
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.run import run_config
-from distill_kit.training import evaluation
 from distill_kit.tasks import arithmetic
 from distill_kit.tasks.compare import table
-from distill_kit.training.multi_student import MultiStudentDistiller
+from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
 
 SCRIPT = ROOT / "scripts/distill.py"
@@ -76,8 +76,8 @@ def test_bad_on_policy_settings_are_named():
 
 def test_several_on_policy_students_are_refused_before_loading():
     with pytest.raises(ValueError, match="each student would sample its own completions"):
-        MultiStudentDistiller("no/such/teacher", [{"name": "a", "model": "x"}, {"name": "b", "model": "y"}],
-                              training=TrainingConfig(on_policy={"fraction": 1.0}))
+        Distiller(teacher="no/such/teacher", students=[{"name": "a", "model": "x"}, {"name": "b", "model": "y"}],
+                  training=TrainingConfig(on_policy={"fraction": 1.0}))
 
 
 def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+import deepspeed
 import torch
 from torch import nn
 
@@ -64,6 +65,9 @@ class Teachers:
         """Each teacher's DeepSpeed config as its engine was given it, by name."""
         self.engines: dict[str, nn.Module] = {}
         for spec in specs:
+            if isinstance(spec.model, deepspeed.DeepSpeedEngine):  # built already (shared by Distillers): as it is
+                self.engines[spec.name] = spec.model
+                continue
             model = models.load(spec.model, ds_configs[spec.name], training.dtype, need_attentions)
             kernels.apply(model, training.teacher_kernels, "training.teacher_kernels",
                           liger=teacher_liger(training.on_policy))

@@ -21,12 +21,9 @@ from bench_multi_student import compare  # noqa: E402
 from rank_results import gathered, max_diff, saved_model, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
-from distill_kit import Distiller, TrainingConfig  # noqa: E402
+from distill_kit import Distiller, StudentSpec, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
-from distill_kit.training.multi_student import MultiStudentDistiller  # noqa: E402
 from distill_kit.training.nonfinite import NonFiniteError  # noqa: E402
-from distill_kit.training.side_by_side import SideBySide  # noqa: E402
-from distill_kit.training.student_spec import StudentSpec  # noqa: E402
 from losses import LossOutput  # noqa: E402
 
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
@@ -45,7 +42,7 @@ def count_forwards(module: torch.nn.Module) -> list[int]:
 
 
 
-class Preempted(MultiStudentDistiller):
+class Preempted(Distiller):
     """Sends this process SIGTERM inside the teacher forward of step ``sigterm_at``."""
 
     sigterm_at: int | None = None
@@ -57,12 +54,12 @@ class Preempted(MultiStudentDistiller):
         return super().teacher_forward(batch)
 
 
-class Poisoned(SideBySide):
+class Poisoned(Distiller):
     """A NaN loss for the models a micro-batch's ``poison`` names."""
 
-    def compute_loss(self, name, output, peers, batch):
-        loss = super().compute_loss(name, output, peers, batch)
-        return LossOutput(loss.total * float("nan"), loss.parts) if name in batch.get("poison", ()) else loss
+    def compute_loss(self, student_out, teacher_out, batch, student=None):
+        loss = super().compute_loss(student_out, teacher_out, batch, student)
+        return LossOutput(loss.total * float("nan"), loss.parts) if student.name in batch.get("poison", ()) else loss
 
 
 def per_model(history: list[dict], key: str) -> list[list[float]]:
@@ -75,12 +72,12 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     data = random_batches(STEPS * GAS, MBS, LENGTH, seed=10 + distributed.rank())
     specs = [StudentSpec("small", students["small"]),
              {"name": "big", "model": students["big"], "loss": MIXED, "lr": 2e-3}]
-    multi = MultiStudentDistiller(teacher, specs, training=TRAINING)
+    multi = Distiller(teacher=teacher, students=specs, training=TRAINING)
     teacher_calls = count_forwards(multi.teacher)
     history = multi.train(data, until=STEPS - 1)
     history += multi.train(data)  # the same data reads on from step STEPS - 1
     train_calls = teacher_calls[0]
-    final = {name: gathered(s.student_model) for name, s in multi.students.items()}
+    final = {name: gathered(s.model) for name, s in multi.students.items()}
 
     eval_batches = random_batches(3, MBS, LENGTH, seed=50 + distributed.rank())
     report = multi.evaluate(eval_batches)
@@ -90,7 +87,7 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     # SIGTERM on the last rank inside step 3; a checkpoint every 2 steps. Resumed by a new group from the
     # signal's checkpoint (resume()), and by another from the periodic one (load(step_2)): both end as `multi`.
     training = replace(TRAINING, checkpoint_dir=str(out / "group_ckpt"), save_every=2, keep_checkpoints=3)
-    interrupted = Preempted(teacher, specs, training=training)
+    interrupted = Preempted(teacher=teacher, students=specs, training=training)
     if distributed.rank() == distributed.world_size() - 1:
         interrupted.sigterm_at = 3
     interrupted.train(data)
@@ -99,11 +96,11 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
                "checkpoints": sorted(p.name for p in ckpt.iterdir()),
                "files": sorted(p.name for p in (ckpt / "step_00000003").iterdir())}
     del interrupted
-    resumed = MultiStudentDistiller(teacher, specs, training=training)
+    resumed = Distiller(teacher=teacher, students=specs, training=training)
     resumed_from = resumed.resume()
     resumed_step = resumed.step
     resumed.train(data)  # given whole: the checkpoint's data position skips what steps 1-3 read
-    periodic = MultiStudentDistiller(teacher, specs, training=TRAINING)
+    periodic = Distiller(teacher=teacher, students=specs, training=TRAINING)
     periodic.load(ckpt / "step_00000002")
     periodic_step = periodic.step
     periodic.train(data)
@@ -115,7 +112,7 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
         alone_history = alone.train(data)
         separate[name] = gathered(alone.student_model)
         separate_calls += calls[0]
-        lrs[name] = (multi.students[name].student_ds_config["optimizer"]["params"]["lr"],
+        lrs[name] = (multi.students[name].ds_config["optimizer"]["params"]["lr"],
                      alone_history[-1]["loss"], history[-1][f"{name}/loss"])
     initial = {name: gathered(GPT2LMHeadModel.from_pretrained(path)) for name, path in students.items()}
     write(out, "shared_teacher", {
@@ -130,8 +127,8 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
         "losses": per_model(multi.history, "loss"), "lrs": per_model(multi.history, "lr"),
         "resumed_losses": per_model(resumed.history, "loss"), "resumed_lrs": per_model(resumed.history, "lr"),
         "periodic_losses": per_model(periodic.history, "loss"),
-        "resumed_diff": {n: max_diff(final[n], gathered(s.student_model)) for n, s in resumed.students.items()},
-        "periodic_diff": {n: max_diff(final[n], gathered(s.student_model)) for n, s in periodic.students.items()},
+        "resumed_diff": {n: max_diff(final[n], gathered(s.model)) for n, s in resumed.students.items()},
+        "periodic_diff": {n: max_diff(final[n], gathered(s.model)) for n, s in periodic.students.items()},
         "export_diff": {n: max_diff(final[n], gathered(GPT2LMHeadModel.from_pretrained(exported[n])))
                         for n in final},
     })
@@ -142,24 +139,24 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
     data = random_batches(STEPS * GAS, MBS, LENGTH, seed=20 + distributed.rank())
     specs = [StudentSpec("small", students["small"], "cross_entropy"),
              StudentSpec("big", students["big"], "cross_entropy", lr=2e-3)]
-    together = SideBySide(specs, training=TRAINING)
+    together = Distiller(students=specs, teachers=[], training=TRAINING)
     history = together.train(data)
-    params = {name: gathered(together.module(name)) for name in together.models}
+    params = {name: gathered(together.students[name].model) for name in together.students}
     together.save(out / "sbs_ckpt")
     alone = {}
     for spec in specs:
-        single = SideBySide([spec], training=TRAINING)
+        single = Distiller(students=[spec], teachers=[], training=TRAINING)
         single.train(data)
-        alone[spec.name] = gathered(single.module(spec.name))
-    reloaded = SideBySide(specs, training=TRAINING)
+        alone[spec.name] = gathered(single.students[spec.name].model)
+    reloaded = Distiller(students=specs, teachers=[], training=TRAINING)
     reloaded.load(out / "sbs_ckpt")
 
     mutual_loss = [{"name": "cross_entropy", "weight": 1.0}, {"name": "mutual_kl", "weight": 1.0}]
-    mutual = SideBySide([StudentSpec(s.name, s.model, mutual_loss, lr=s.lr) for s in specs], training=TRAINING)
+    mutual = Distiller(students=[replace(s, loss=mutual_loss) for s in specs], teachers=[], training=TRAINING)
     mutual_history = mutual.train(data)
-    mutual_params = {name: gathered(mutual.module(name)) for name in mutual.models}
+    mutual_params = {name: gathered(mutual.students[name].model) for name in mutual.students}
     try:
-        SideBySide([StudentSpec("kl", students["small"], "forward_kl")], training=TRAINING)
+        Distiller(students=[StudentSpec("kl", students["small"], "forward_kl")], teachers=[], training=TRAINING)
         refusal = ""
     except ValueError as err:
         refusal = str(err)
@@ -169,7 +166,7 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
     poisoned = [dict(batch) for batch in data]
     poisoned[1 * GAS] |= {"poison": ("small", "big")} if distributed.rank() == 0 else {}
     poisoned[2 * GAS + 1] |= {"poison": ("big",)} if distributed.rank() == distributed.world_size() - 1 else {}
-    faulty = Poisoned(specs, training=TRAINING)
+    faulty = Poisoned(students=specs, teachers=[], training=TRAINING)
     try:
         faulty.train(poisoned)
         disagreement = ""
@@ -181,7 +178,7 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
         "max_param_change": {n: max_diff(params[n], initial[n]) for n in params},
         "first_loss": history[0]["small/loss"], "last_loss": history[-1]["small/loss"],
         "reloaded_step": reloaded.step,
-        "reloaded_diff": {n: max_diff(params[n], gathered(reloaded.module(n))) for n in params},
+        "reloaded_diff": {n: max_diff(params[n], gathered(reloaded.students[n].model)) for n in params},
         "checkpoint_dirs": sorted(p.name for p in (out / "sbs_ckpt").iterdir()),
         "checkpoint_files": sorted(p.name for p in (out / "sbs_ckpt/step_00000004").iterdir()),
         "mutual_parts": sorted(mutual_history[0]),

@@ -19,7 +19,6 @@ from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
-from distill_kit.training.teachers import MultiTeacherDistiller  # noqa: E402
 
 STEPS, GAS, MBS, LENGTH = 3, 2, 2, 24
 # Adam's eps well above float32 rounding of the gradients: the sum and the mixture differ in rounding only, and
@@ -43,13 +42,13 @@ def one_teacher_equivalence(out: Path, a: Path, b: Path, student: Path) -> None:
     pair = [{"name": "a", "model": a, "weight": 1.0}, {"name": "b", "model": b, "weight": 0.0}]
     result = {}
     for combine in ("sum", "mixture"):
-        losses, weights = run(MultiTeacherDistiller(student, pair, combine=combine, training=TRAINING), data)
+        losses, weights = run(Distiller(student, teachers=pair, combine=combine, training=TRAINING), data)
         result[combine] = {"loss_diff": max(abs(x - y) for x, y in zip(losses, alone_losses, strict=True)),
                            "param_diff": max_diff(weights, alone)}
     half = [{"name": "a", "model": a, "weight": 0.5}, {"name": "b", "model": b, "weight": 0.5}]
-    summed = MultiTeacherDistiller(student, half, combine="sum", training=TRAINING)
+    summed = Distiller(student, teachers=half, combine="sum", training=TRAINING)
     sum_losses, sum_weights = run(summed, data)
-    mix_losses, mix_weights = run(MultiTeacherDistiller(student, half, combine="mixture", training=TRAINING), data)
+    mix_losses, mix_weights = run(Distiller(student, teachers=half, combine="mixture", training=TRAINING), data)
     initial = gathered(GPT2LMHeadModel.from_pretrained(student))
     result["half"] = {"param_diff": max_diff(sum_weights, mix_weights), "param_change": max_diff(sum_weights, initial),
                       "sum_losses": sum_losses, "mixture_losses": mix_losses,
@@ -62,17 +61,17 @@ def identities(out: Path, a: Path, b: Path, student: Path) -> None:
     data = random_batches(STEPS * GAS, MBS, LENGTH, seed=60 + distributed.rank())
     training = replace(TRAINING, checkpoint_dir=str(out / "ckpt"))
     pair = [{"name": "a", "model": a}, {"name": "b", "model": b}]
-    first = MultiTeacherDistiller(student, pair, training=training)
+    first = Distiller(student, teachers=pair, training=training)
     first.train(data)
     manifest = json.loads((out / "ckpt/step_00000003/manifest.json").read_text())
-    swapped = MultiTeacherDistiller(student, [{"name": "a", "model": b}, {"name": "b", "model": a}],
+    swapped = Distiller(student, teachers=[{"name": "a", "model": b}, {"name": "b", "model": a}],
                                     training=training)
     try:
         swapped.resume()
         refusal = None
     except ValueError as err:
         refusal = str(err)
-    write(out, "identities", {"recorded": manifest["teacher_sha256"], "identities": first.teacher_identities,
+    write(out, "identities", {"recorded": manifest["teacher_sha256"], "identities": first.teachers.identities,
                               "refusal": refusal, "eval": first.evaluate(data[:2])})
 
 
