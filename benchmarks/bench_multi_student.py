@@ -34,8 +34,8 @@ from torch import nn
 from transformers import AutoConfig
 
 from distill_kit import Distiller, TrainingConfig
-from distill_kit.config import StudentSpec
-from distill_kit.distiller import CONFIG_DIR, Batch
+from distill_kit.config import CONFIG_DIR, StudentSpec
+from distill_kit.distiller import Batch
 from distill_kit.engines import deepspeed_config, distributed
 from distill_kit.engines.models import ModelSource
 

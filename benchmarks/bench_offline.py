@@ -39,8 +39,8 @@ import torch
 from phases import TimedDistiller
 
 from distill_kit import TrainingConfig
+from distill_kit.config import CONFIG_DIR
 from distill_kit.data.blocks import BlockLoader
-from distill_kit.distiller import CONFIG_DIR
 from distill_kit.engines import deepspeed_config, distributed
 from distill_kit.offline.capture import CaptureConfig, capture
 from distill_kit.offline.captured_teacher import CapturedTeacher

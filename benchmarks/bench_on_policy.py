@@ -42,7 +42,7 @@ import torch
 import transformers
 
 from distill_kit import Distiller, TrainingConfig
-from distill_kit.distiller import CONFIG_DIR
+from distill_kit.config import CONFIG_DIR
 from distill_kit.engines import deepspeed_config, distributed
 from distill_kit.training.on_policy import OnPolicyConfig, Sampler
 

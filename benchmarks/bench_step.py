@@ -57,7 +57,7 @@ from phases import TimedDistiller
 from transformers import AutoModelForCausalLM
 
 from distill_kit import TrainingConfig
-from distill_kit.distiller import CONFIG_DIR
+from distill_kit.config import CONFIG_DIR
 from distill_kit.engines import deepspeed_config, distributed
 from losses import build_loss
 

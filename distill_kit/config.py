@@ -29,6 +29,9 @@ import yaml
 
 from distill_kit.errors import ConfigError
 
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+"""The shipped DeepSpeed configs: ``zero2_student.json`` and ``zero3_teacher.json`` are every run's defaults."""
+
 Kernels = Literal["none", "liger", "compile", "auto"]
 CHOICES = ("none", "liger", "compile", "auto")
 
@@ -127,7 +130,7 @@ class TrainingConfig:
     """Steps of linear warm-up: step k of them uses lr * k / warmup_steps; 0 or 1 is the full lr at step 1."""
     lr_schedule: LRSchedule = "linear"
     """After warm-up: 'linear' or 'cosine' decay to min_lr_ratio * lr (reached just after the last step), or
-    'constant'. The run's, whatever the DeepSpeed config says: the lr of every step is in training/schedule.py."""
+    'constant'. The run's, whatever the DeepSpeed config says: the lr of every step is in engines/schedule.py."""
     min_lr_ratio: float = 0.0
     """Where the decay ends, as a fraction of lr; e.g. 0.1 with cosine for a decay to 10%."""
     max_grad_norm: float = 1.0

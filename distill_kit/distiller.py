@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig, specs
+from distill_kit.config import CONFIG_DIR, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed, kernels, models
 from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare
 from distill_kit.engines.models import ModelSource
@@ -44,7 +44,6 @@ from distill_kit.training.student import Student
 from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, Teachers, check_tokenizers, check_weights
 from losses import DistillationLoss, LossOutput, build_loss
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DeepSpeedConfig = str | Path | Mapping[str, Any]
 
 

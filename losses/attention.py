@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from losses import functional
+import losses.functional as functional
 from losses.base import DistillationLoss, LossOutput, normalizer, valid_positions
 from losses.layer_map import check_layer_map
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from losses import functional
+import losses.functional as functional
 from losses.base import DistillationLoss, LossOutput, next_token_labels, normalizer, valid_positions
 from losses.chunked import chunked_loss
 from losses.functional import compute_dtype

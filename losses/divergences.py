@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from losses import functional
+import losses.functional as functional
 from losses.base import LogitLoss
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from losses import functional
+import losses.functional as functional
 from losses.chunked import ChunkLoss, PerToken
 
 

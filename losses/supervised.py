@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from losses import functional
+import losses.functional as functional
 from losses.base import LogitLoss, LossOutput
 from losses.chunked import ChunkLoss
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from distill_kit.config import CONFIG_DIR
 from distill_kit.data.blocks import DataConfig, build_splits
-from distill_kit.distiller import CONFIG_DIR
 from distill_kit.engines import distributed
 from distill_kit.offline.capture import CaptureConfig, capture
 

@@ -34,7 +34,7 @@ def test_seed_configs_load_and_fill_every_auto():
                             training=TrainingConfig(micro_batch_size=1, lr=3e-4, dtype="bf16", lr_schedule="constant"))
     assert "auto" not in json.dumps(student) + json.dumps(teacher)
     assert student["optimizer"]["params"]["lr"] == 3e-4
-    assert "scheduler" not in student  # checked against the run, then run by distill-kit (training/schedule.py)
+    assert "scheduler" not in student  # checked against the run, then run by distill-kit (engines/schedule.py)
     assert student["bf16"]["enabled"] is True and teacher["bf16"]["enabled"] is True
     zero = teacher["zero_optimization"]
     assert zero["reduce_bucket_size"] == 128 * 128  # transformers' rules, from the teacher's hidden size

@@ -1,4 +1,4 @@
-"""The learning-rate schedule against values written out by hand (training/schedule.py documents them)."""
+"""The learning-rate schedule against values written out by hand (engines/schedule.py documents them)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distill_kit import TrainingConfig
-from distill_kit.training.schedule import lr_factor, resync, scheduler
+from distill_kit.engines.schedule import lr_factor, resync, scheduler
 
 
 @pytest.mark.parametrize("settings, factors", [

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from distill_kit.config import TrainingConfig
+from distill_kit.engines import schedule
 from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.head import headless_forward
 from distill_kit.engines.models import TORCH_DTYPES
-from distill_kit.training import schedule
 
 
 class StudentWithLoss(nn.Module):
@@ -38,7 +38,7 @@ def build_student(
     model: nn.Module, loss: nn.Module, ds_config: Mapping[str, Any], training: TrainingConfig
 ) -> deepspeed.DeepSpeedEngine:
     """The student's training engine: its optimizer from its DeepSpeed config, its learning-rate schedule the
-    run's (``training/schedule.py``; DeepSpeed steps it after every applied optimizer step)."""
+    run's (``engines/schedule.py``; DeepSpeed steps it after every applied optimizer step)."""
     module = StudentWithLoss(model, loss)
     if module.loss is not None and zero_stage(ds_config) == 3:
         raise ValueError(

@@ -11,7 +11,7 @@ The run config is the one truth about how a model learns: a value a DeepSpeed co
 (``lr``, ``betas``, ``eps``, ``weight_decay``, ``gradient_clipping``, the scheduler's numbers, ``bf16``/``fp16``)
 must equal the run's, or it is an error naming both; one it leaves out is written in from the run, so that
 DeepSpeed's own defaults (AdamW's betas, no clipping) never run behind the run config's back. The learning-rate
-schedule is distill-kit's own (``training/schedule.py``): a ``"scheduler"`` section is checked against the run
+schedule is distill-kit's own (``engines/schedule.py``): a ``"scheduler"`` section is checked against the run
 and then removed, so the engine config holds exactly what DeepSpeed is given.
 """
 
@@ -134,7 +134,7 @@ def auto_values(training: TrainingConfig, hidden_size: int | None, world_size: i
         "optimizer.params.weight_decay": training.weight_decay,
         "optimizer.params.betas": list(training.betas),
         "optimizer.params.eps": training.eps,
-        # The scheduler section is only checked (distill-kit runs training/schedule.py), so these are the run's.
+        # The scheduler section is only checked (distill-kit runs engines/schedule.py), so these are the run's.
         "scheduler.params.warmup_min_lr": 0.0,
         "scheduler.params.warmup_min_ratio": 0.0,
         "scheduler.params.warmup_max_lr": training.lr,
@@ -229,7 +229,7 @@ def _check_agrees(config: dict[str, Any], training: TrainingConfig, world_size: 
 
 
 def _check_scheduler(section: Any, training: TrainingConfig, name: str) -> list[str]:
-    """A scheduler section must describe the run's schedule; distill-kit then runs it (training/schedule.py)."""
+    """A scheduler section must describe the run's schedule; distill-kit then runs it (engines/schedule.py)."""
     kind = SCHEDULER_TYPES.get(section.get("type")) if isinstance(section, Mapping) else None
     if kind is None:
         return [f"{name}: scheduler {section!r} is not a schedule distill-kit runs; remove the section (the run's "
@@ -250,7 +250,7 @@ def _check_scheduler(section: Any, training: TrainingConfig, name: str) -> list[
         elif key in ("warmup_min_lr", "warmup_min_ratio"):
             if value != 0:
                 problems.append(f"{name}: scheduler.params.{key} is {value!r}, but warm-up starts from 0 "
-                                "(training/schedule.py); set it to 0 or \"auto\"")
+                                "(engines/schedule.py); set it to 0 or \"auto\"")
         elif key == "warmup_type":
             if value != "linear":
                 problems.append(f"{name}: scheduler.params.warmup_type is {value!r}; the warm-up is linear, "
@@ -331,7 +331,7 @@ def prepare(
             )
         _fill_from_run(config, request.training)
         found += _check_agrees(config, request.training, world_size, name)
-        config.pop("scheduler", None)  # checked against the run above; build.py runs training/schedule.py
+        config.pop("scheduler", None)  # checked against the run above; build.py runs engines/schedule.py
         configs[label] = config
         problems += found
     teachers: dict[str, dict[str, Any]] = {}

@@ -21,9 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit.config import TrainingConfig
+from distill_kit.config import CONFIG_DIR, TrainingConfig
 from distill_kit.data.blocks import BlockLoader
-from distill_kit.distiller import CONFIG_DIR
 from distill_kit.engines import distributed, fingerprint, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, resolve

@@ -269,7 +269,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
                           "teacher: instead of teachers:")
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
         from distill_kit.tasks import compare
-        return compare.run(config, resume)
+        return compare.run(config, prepare_student, resume)
     out = Path(config.output_dir)
     distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers

@@ -23,18 +23,20 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from distill_kit.config import StudentSpec
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.distiller import Distiller
 from distill_kit.engines import distributed
-from distill_kit.run.run_config import ConfigError, RunConfig, to_dict
+from distill_kit.errors import ConfigError
+from distill_kit.run.run_config import RunConfig, to_dict
 from distill_kit.tasks import arithmetic
 from distill_kit.tasks.evaluate import exact_match
 from distill_kit.training.on_policy import OnPolicyConfig
@@ -61,10 +63,11 @@ def chat_split(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
                              tokenizer)
 
 
-def run(config: RunConfig, resume: bool = False) -> dict[str, Any]:
-    """Every recipe in ``config.task.recipes``; writes ``<output_dir>/report.json`` and returns its summary."""
-    from distill_kit.run.cli import prepare_student
+def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: bool = False) -> dict[str, Any]:
+    """Every recipe in ``config.task.recipes``; writes ``<output_dir>/report.json`` and returns its summary.
 
+    ``prepare_student`` is the CLI's (``run/cli.py``): the student the run config describes, built or cut from the
+    teacher as a training run would (passed in, so the CLI and this module do not import each other)."""
     task, began = config.task, time.perf_counter()
     if resume:
         raise ConfigError("--resume does not apply to a task benchmark (task.name): its recipes are short; rerun it")

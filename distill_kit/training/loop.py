@@ -32,8 +32,8 @@ import transformers
 from tqdm.auto import tqdm
 
 from distill_kit.config import TrainingConfig
-from distill_kit.engines import distributed
-from distill_kit.training import checkpoint, nonfinite, preemption, schedule
+from distill_kit.engines import distributed, schedule
+from distill_kit.training import checkpoint, nonfinite, preemption
 from losses import LossOutput
 from losses.base import valid_positions
 

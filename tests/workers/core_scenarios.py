@@ -33,7 +33,7 @@ FIXTURES = ROOT / "tests/fixtures"
 STEPS, GAS, MBS, LENGTH = 4, 2, 2, 24
 TRAINING = TrainingConfig(max_steps=STEPS, micro_batch_size=MBS, gradient_accumulation_steps=GAS,
                           lr=3e-3, weight_decay=0.01, max_grad_norm=0.5, log_every=100)
-# The documented schedule (training/schedule.py), written out by hand for STEPS = 4: the lr factor of each step.
+# The documented schedule (engines/schedule.py), written out by hand for STEPS = 4: the lr factor of each step.
 SCHEDULES = {
     # warm-up 0 and 1 are the full lr at step 1; a linear decay reaches 0 just after the last step
     "linear_warmup0": (dict(warmup_steps=0), [1.0, 0.75, 0.5, 0.25]),
