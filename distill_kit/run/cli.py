@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ from distill_kit.data.corpus import write_corpus
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.run import report, run_config, student_tokenizer, validate
+from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.students import from_teacher
@@ -242,10 +243,36 @@ def _input_errors(what: str) -> Iterator[None]:
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     """The whole job; returns the report's summary on every rank (None when a signal stopped it).
 
-    Every check that needs no work comes first (``validate.py``); the output folder is claimed (its
+    Every check that needs no work comes first (``validate.py``); the output folder is claimed (locked, then its
     ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing
-    that stops the same command, fixed, from running.
+    that stops the same command, fixed, from running. The lock is held until the run returns or raises (or its
+    process dies): a second start in the same folder meanwhile is refused (``output_dir.py``).
     """
+    with contextlib.ExitStack() as held:
+        return _run(config, resume, held)
+
+
+def _claim(out: Path, config: RunConfig, identity: dict[str, Any], resume: bool, held: contextlib.ExitStack) -> None:
+    """Rank 0 locks the folder (``held`` releases it), checks it again under the lock (another start may have come
+    between ``validate`` and now), records the identity and the data's fingerprint, and clears leftovers of killed
+    saves: only under the lock, so never a live run's save in progress. Every rank raises the same error."""
+    problem = None
+    if distributed.is_main():
+        try:
+            held.enter_context(output_dir.Lock(out))
+            output_dir.check(out, identity, resume=resume, checkpoint_dir=config.training.checkpoint_dir)
+        except ConfigError as err:
+            problem = str(err)
+        else:
+            if not resume or not (out / output_dir.DATA_FINGERPRINT).is_file():
+                output_dir.record_data(out, validate.data_fingerprint(config))
+            checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go first
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
@@ -266,11 +293,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         if own is not None:
             tokenizer = own.tokenizer
         train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
-    if distributed.is_main():  # rank 0 claims the folder; validate found it fit
-        checkpoint.check_output_dir(out, identity, resume=resume)
-        checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
-        if own is not None:
-            own.save(out)
+    _claim(out, config, identity, resume, held)
+    if distributed.is_main() and own is not None:
+        own.save(out)
     distributed.barrier()
     cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed, peft_student
-from distill_kit.run import run_config, student_tokenizer, trackers
+from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
@@ -100,16 +101,37 @@ def student_init(student: StudentConfig, teacher_config: PretrainedConfig) -> di
 
 
 def check_output_dir(start: Start) -> list[str]:
-    """Another run's folder, a non-run folder, checkpoints without ``--resume``, nothing to ``--resume``."""
+    """A live run in the folder (its lock), another run's checkpoints, a non-run folder, checkpoints without
+    ``--resume``, nothing to ``--resume``; on ``--resume``: a checkpoint of another rank count, changed data."""
+    config = start.config
+    busy = output_dir.in_use(config.output_dir)
+    if busy is not None:
+        return [busy]
     try:
-        checkpoint.check_output_dir(start.config.output_dir, start.identity, resume=start.resume, record=False)
+        output_dir.check(config.output_dir, start.identity, resume=start.resume,
+                         checkpoint_dir=config.training.checkpoint_dir, record=False)
     except ValueError as err:
         return [str(err)]
     if not start.resume:
         return []
-    directory = start.config.training.checkpoint_dir
+    directory = config.training.checkpoint_dir
     found, skipped = checkpoint.find_latest(directory)
-    return [] if found is not None else [f"--resume: {checkpoint.nothing_to_resume(directory, skipped)}"]
+    if found is None:
+        return [f"--resume: {checkpoint.nothing_to_resume(directory, skipped)}"]
+    problems = output_dir.data_changes(config.output_dir, data_fingerprint(config))
+    saved = json.loads((found / checkpoint.MANIFEST).read_text()).get("world_size")
+    if saved is not None and saved != distributed.world_size():
+        problems.append(f"--resume: checkpoint {found} was written by {saved} ranks, and this start has "
+                        f"{distributed.world_size()}: each rank's data position and random generators are its own. "
+                        f"Resume on {saved} ranks (e.g. torchrun --nproc_per_node {saved} ...)")
+    return problems
+
+
+def data_fingerprint(config: RunConfig) -> dict[str, dict[str, str]]:
+    """The local data files' content hashes (``output_dir.data_fingerprint``); none for the embedded corpus."""
+    if config.data.train == STDLIB_CORPUS:
+        return {}
+    return output_dir.data_fingerprint({"data.train": config.data.train, "data.heldout": config.data.heldout})
 
 
 def check_models(start: Start) -> list[str]:
