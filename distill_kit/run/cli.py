@@ -152,6 +152,22 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
+def with_sample_limit(config: RunConfig) -> RunConfig:
+    """On-policy samples cut to the fewest positions among the run's models (``on_policy.max_length`` 0): every
+    row a model reads, prompt and sample, then fits it. Filled after the run's identity is taken: it follows from
+    the models, which the identity names."""
+    on_policy = config.training.on_policy
+    if on_policy.fraction == 0 or on_policy.max_length:
+        return config
+    limit = validate.row_limit(config)
+    if limit is None:
+        return config
+    logger.info("on-policy rows (prompt + sample) are cut to %d tokens: the fewest positions among the run's models",
+                limit)
+    training = dataclasses.replace(config.training, on_policy=dataclasses.replace(on_policy, max_length=limit))
+    return dataclasses.replace(config, training=training)
+
+
 def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
                   tokenize=None):
     """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
@@ -166,8 +182,11 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
-        if config.training.on_policy.fraction < 1:  # at 1 every row is answered by a sample
-            chat.require_answers(splits, "the students' losses")
+        # Evaluation scores the reference answers (a split of prompts only would report perplexity 1 and KL 0 over
+        # no token); training needs them unless every row is answered by a sample (fraction 1).
+        chat.require_answers(splits, "the held-out evaluation's figures", ["heldout"])
+        if config.training.on_policy.fraction < 1:
+            chat.require_answers(splits, "the students' losses", ["train"])
         pad = chat.pad_id_of(tokenizer)
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
@@ -285,7 +304,7 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     out = Path(config.output_dir)
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
     validate.validate(config, resume, identity)
-    config = run_config.lead_teacher(config)  # with teachers, the first stands for "the teacher" from here on
+    config = with_sample_limit(run_config.lead_teacher(config))  # with teachers, the first is "the teacher"
     with _input_errors("data"):
         data_config = prepare_data(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)

@@ -80,6 +80,9 @@ class StudentConfig:
         if self.init_from_teacher is not None and (self.model is not None or self.init):
             raise ValueError("init_from_teacher builds the student itself; drop model and init from this student "
                              "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"students[{self.name}].lr: {self.lr} is not a learning rate; give a number > 0 (e.g. "
+                              "3e-4), or leave it out to take training.lr")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,13 @@ class EvalConfig:
     """Optimizer steps between evaluations; 0 evaluates only at the end."""
     max_batches: int | None = None
     """Micro-batches per rank per evaluation; None uses the whole held-out split."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every: {self.every} steps; give 0 (evaluate at the end only) or more")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise ConfigError(f"eval.max_batches: {self.max_batches} batches would evaluate nothing (every figure of "
+                              "the report over no token); give 1 or more, or null for the whole held-out split")
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,17 @@ class RunConfig:
     """Trackers besides the JSON lines: any of tensorboard, wandb (offline unless WANDB_MODE is set), mlflow (a
     local store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set); each needs its package. None:
     TensorBoard when installed; []: none."""
+
+    def __post_init__(self) -> None:
+        """Rules between fields that need no model (the rest: ``validate.py``, before the run claims its folder)."""
+        if self.teacher_block_size is not None and self.teacher_block_size < 2:
+            raise ConfigError(f"teacher_block_size: {self.teacher_block_size} teacher tokens per block leave the "
+                              "teacher no token to predict; give at least 2 (or null: data.block_size)")
+        warmed = [r for r in self.task.recipes if r.startswith("on_policy_")]  # these start with warm_start_steps
+        if self.task.name is not None and warmed and self.task.warm_start_steps >= self.training.max_steps:
+            raise ConfigError(f"task.warm_start_steps: {self.task.warm_start_steps} SFT steps of training.max_steps "
+                              f"{self.training.max_steps} leave the on-policy recipes no step of their own; give "
+                              "task.warm_start_steps below training.max_steps, or raise training.max_steps")
 
 
 # ---- field documentation, from the docstrings under each field ------------------------------------------
@@ -343,6 +364,8 @@ def build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
     kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in values.items()}
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise  # already names its key
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from err
 

@@ -38,3 +38,6 @@ class TaskConfig:
             raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES + EXTRA_RECIPES)}")
         if min(self.labelled, self.prompts, self.heldout) < 1 or self.warm_start_steps < 0:
             raise ValueError("task.labelled, task.prompts and task.heldout must be >= 1, warm_start_steps >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"task.max_new_tokens: {self.max_new_tokens} tokens leaves no answer to sample or "
+                             "generate; give 1 or more (the task's answers are 27 tokens)")
