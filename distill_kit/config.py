@@ -87,6 +87,10 @@ class OnPolicyConfig:
     """Token that ends a sample (counted); None reads the sampling model's generation config."""
     pad_token_id: int | None = None
     """Token that pads; None reads the model's config, else uses the end token."""
+    max_length: int = 0
+    """Longest row a sample may make, prompt included: each sample is cut to fit it (the cut is logged once), so
+    that no model reads a row past its positions. 0: the fewest positions (max_position_embeddings) among the
+    run's models, which the CLI reads from their configs; from Python, the sampling model's own."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -98,13 +102,14 @@ class OnPolicyConfig:
             "top_k": self.top_k >= 0,
             "cache": self.cache in ("auto", "static", "dynamic"),
             "generation_batch_size": self.generation_batch_size >= 0,
+            "max_length": self.max_length >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
                              "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
-                             "generation_batch_size >= 0)")
+                             "generation_batch_size >= 0, max_length >= 0)")
 
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -271,6 +276,13 @@ class EvalConfig:
     max_batches: int | None = None
     """Micro-batches per rank per evaluation; None uses the whole held-out split."""
 
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every: {self.every} steps; give 0 (evaluate at the end only) or more")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise ConfigError(f"eval.max_batches: {self.max_batches} batches would evaluate nothing (every figure of "
+                              "the report over no token); give 1 or more, or null for the whole held-out split")
+
 
 RECIPES = ("teacher", "sft", "forward_kl", "seq_kd", "on_policy_reverse_kl", "on_policy_jsd", "mixed")
 EXTRA_RECIPES = ("on_policy_forward_kl",)
@@ -305,6 +317,9 @@ class TaskConfig:
             raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES + EXTRA_RECIPES)}")
         if min(self.labelled, self.prompts, self.heldout) < 1 or self.warm_start_steps < 0:
             raise ValueError("task.labelled, task.prompts and task.heldout must be >= 1, warm_start_steps >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"task.max_new_tokens: {self.max_new_tokens} tokens leaves no answer to sample or "
+                             "generate; give 1 or more (the task's answers are 27 tokens)")
 
 
 def _check_name(name: Any, kind: str) -> None:
@@ -349,7 +364,8 @@ class StudentSpec:
     def __post_init__(self) -> None:
         _check_name(self.name, "student")
         if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"student {self.name!r}: lr must be > 0, got {self.lr}")
+            raise ConfigError(f"students[{self.name}].lr: {self.lr} is not a learning rate; give a number > 0 (e.g. "
+                              "3e-4), or leave it out to take training.lr")
         if self.init_from_teacher is not None and (self.model is not None or self.init):
             raise ValueError("init_from_teacher builds the student itself; drop model and init from this student "
                              "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
@@ -517,6 +533,8 @@ def build(cls: type, values: Mapping[str, Any], prefix: str = "") -> Any:
     kwargs = {name: _convert(value, hints[name], f"{prefix}{name}") for name, value in values.items()}
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise  # already names its key
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {err}") from err
 

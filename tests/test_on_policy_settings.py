@@ -37,3 +37,24 @@ def test_sdpa_gqa_switch_is_set_only_inside_and_restored(monkeypatch, before):
 def test_negative_generation_batch_size_is_refused():
     with pytest.raises(ValueError, match=r"on_policy.generation_batch_size=-1 .*generation_batch_size >= 0"):
         OnPolicyConfig(fraction=1.0, generation_batch_size=-1)
+
+
+def test_samples_are_cut_to_fit_the_row_limit_and_the_cut_is_logged(caplog):
+    """A 12-position model samples after prompts of 5 and 9 tokens with max_new_tokens far past its positions: every
+    row (prompt + sample) fits, and the log says so; max_length, when given, is the limit instead."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=12,
+                                       eos_token_id=39, pad_token_id=0))
+    prompts = [torch.arange(1, 6), torch.arange(1, 10)]
+    sampler = on_policy.Sampler(OnPolicyConfig(fraction=1.0, max_new_tokens=1000, eos_token_id=39), lambda: model)
+    with caplog.at_level("WARNING"):
+        samples = sampler.generate(prompts)
+    assert all(9 + len(s) <= 12 for s in samples) and any(len(s) > 0 for s in samples)
+    assert "on-policy samples capped at 3 new tokens" in caplog.text and "the 12 positions" in caplog.text
+    limited = on_policy.Sampler(OnPolicyConfig(fraction=1.0, max_new_tokens=1000, eos_token_id=39, max_length=10),
+                                lambda: model)
+    assert all(len(s) <= 1 for s in limited.generate(prompts))
+    assert [len(s) for s in limited.generate([torch.arange(1, 11)])] == [0]  # a prompt that fills the limit

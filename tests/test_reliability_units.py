@@ -128,25 +128,6 @@ def test_a_group_checkpoint_keeps_each_engine_in_its_folder_under_one_manifest(t
                         teacher_sha256=None, keep_last=1)
 
 
-def test_output_dir_guard(tmp_path):
-    run = {"teacher": "t", "training": {"lr": 1e-3, "max_steps": 10}}
-    out = tmp_path / "out"
-    checkpoint.check_output_dir(out, run, resume=False)  # new: the identity is recorded
-    checkpoint.check_output_dir(out, run, resume=False)  # same run, no checkpoint yet: fine
-    (out / "ckpt").mkdir()
-    save(out / "ckpt", 1)
-    with pytest.raises(ValueError, match=r"holds checkpoints of this run: resume it \(--resume\)"):
-        checkpoint.check_output_dir(out, run, resume=False)
-    checkpoint.check_output_dir(out, run, resume=True)
-    other = {"teacher": "t", "training": {"lr": 2e-3, "max_steps": 10}}
-    with pytest.raises(ValueError, match=r"holds another run \(training.lr: 0.001 -> 0.002\)"):
-        checkpoint.check_output_dir(out, other, resume=True)
-    (tmp_path / "stranger").mkdir()
-    (tmp_path / "stranger/notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="holds no run_identity.json: it is not a distill-kit run"):
-        checkpoint.check_output_dir(tmp_path / "stranger", run, resume=False)
-
-
 def test_random_generators_round_trip(tmp_path):
     random.gauss(0, 1), np.random.randn()  # cached Gaussians are part of the state too
     state = checkpoint.capture_rng()

@@ -452,12 +452,12 @@ def _stats_of(split: datasets.Dataset, read: ChatStats | None = None) -> ChatSta
                      dropped=read.dropped, counted_tokens=sum(counted), first_prompt=first)
 
 
-def require_answers(splits: ChatSplits, why: str) -> None:
-    """A :class:`ConfigError` naming a record when a split has no counted token (it holds only prompts).
+def require_answers(splits: ChatSplits, why: str, names: Sequence[str] = ("train", "heldout")) -> None:
+    """A :class:`ConfigError` naming a record when a split of ``names`` has no counted token (only prompts).
 
     ``why`` says what needs reference answers (e.g. the students' losses), for the message.
     """
-    for name in ("train", "heldout"):
+    for name in names:
         stats = splits.stats.get(name)
         if stats is not None and stats.counted_tokens == 0:
             raise ConfigError(

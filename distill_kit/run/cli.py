@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -27,7 +28,7 @@ from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
 from distill_kit.errors import ConfigError
-from distill_kit.run import report, run_config, student_tokenizer, validate
+from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
@@ -150,6 +151,22 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
     return dataclasses.replace(config, output_dir=output_dir, training=training)
 
 
+def with_sample_limit(config: RunConfig) -> RunConfig:
+    """On-policy samples cut to the fewest positions among the run's models (``on_policy.max_length`` 0): every
+    row a model reads, prompt and sample, then fits it. Filled after the run's identity is taken: it follows from
+    the models, which the identity names."""
+    on_policy = config.training.on_policy
+    if on_policy.fraction == 0 or on_policy.max_length:
+        return config
+    limit = validate.row_limit(config)
+    if limit is None:
+        return config
+    logger.info("on-policy rows (prompt + sample) are cut to %d tokens: the fewest positions among the run's models",
+                limit)
+    training = dataclasses.replace(config.training, on_policy=dataclasses.replace(on_policy, max_length=limit))
+    return dataclasses.replace(config, training=training)
+
+
 def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
                   tokenize=None):
     """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
@@ -164,8 +181,11 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
-        if config.training.on_policy.fraction < 1:  # at 1 every row is answered by a sample
-            chat.require_answers(splits, "the students' losses")
+        # Evaluation scores the reference answers (a split of prompts only would report perplexity 1 and KL 0 over
+        # no token); training needs them unless every row is answered by a sample (fraction 1).
+        chat.require_answers(splits, "the held-out evaluation's figures", ["heldout"])
+        if config.training.on_policy.fraction < 1:
+            chat.require_answers(splits, "the students' losses", ["train"])
         pad = chat.pad_id_of(tokenizer)
         return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
                 chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
@@ -257,10 +277,36 @@ def _input_errors(what: str) -> Iterator[None]:
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     """The whole job; returns the report's summary on every rank (None when a signal stopped it).
 
-    Every check that needs no work comes first (``validate.py``); the output folder is claimed (its
+    Every check that needs no work comes first (``validate.py``); the output folder is claimed (locked, then its
     ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing
-    that stops the same command, fixed, from running.
+    that stops the same command, fixed, from running. The lock is held until the run returns or raises (or its
+    process dies): a second start in the same folder meanwhile is refused (``output_dir.py``).
     """
+    with contextlib.ExitStack() as held:
+        return _run(config, resume, held)
+
+
+def _claim(out: Path, config: RunConfig, identity: dict[str, Any], resume: bool, held: contextlib.ExitStack) -> None:
+    """Rank 0 locks the folder (``held`` releases it), checks it again under the lock (another start may have come
+    between ``validate`` and now), records the identity and the data's fingerprint, and clears leftovers of killed
+    saves: only under the lock, so never a live run's save in progress. Every rank raises the same error."""
+    problem = None
+    if distributed.is_main():
+        try:
+            held.enter_context(output_dir.Lock(out))
+            output_dir.check(out, identity, resume=resume, checkpoint_dir=config.training.checkpoint_dir)
+        except ConfigError as err:
+            problem = str(err)
+        else:
+            if not resume or not (out / output_dir.DATA_FINGERPRINT).is_file():
+                output_dir.record_data(out, validate.data_fingerprint(config))
+            checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go first
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any] | None:
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
@@ -274,7 +320,7 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
     distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
     validate.validate(config, resume, identity)
-    config = run_config.lead_teacher(config)  # with teachers, the first stands for "the teacher" from here on
+    config = with_sample_limit(run_config.lead_teacher(config))  # with teachers, the first is "the teacher"
     with _input_errors("data"):
         data_config = prepare_data(config)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
@@ -282,11 +328,9 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         if own is not None:
             tokenizer = own.tokenizer
         train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
-    if distributed.is_main():  # rank 0 claims the folder; validate found it fit
-        checkpoint.check_output_dir(out, identity, resume=resume)
-        checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go before any write
-        if own is not None:
-            own.save(out)
+    _claim(out, config, identity, resume, held)
+    if distributed.is_main() and own is not None:
+        own.save(out)
     distributed.barrier()
     cut = cut_students(config, train_loader)
     specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]

@@ -3,6 +3,11 @@
 A distillation framework has to show its students beat the same student trained on the same tokens
 without a teacher; when the run trains such a student (loss ``cross_entropy`` alone), the report
 states each distilled student's held-out perplexity against it and against the teacher.
+
+Which figures compare: perplexity is per token of a model's own tokenizer, so it compares only models that share
+one. When the students' tokenizer differs from the teacher's (the evaluation then leaves out top-1 agreement and
+KL), the report compares across tokenizers by bits per byte only: ``summary["comparable"]`` says so, the gap to
+the teacher is measured in bits per byte, and the teacher's perplexity is not printed next to the students'.
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any
     the fraction of the baseline-to-teacher perplexity gap it closes (and bits per byte where measured)."""
     inits = inits or {}
     baselines = [n for n in no_teacher_students(losses) if inits.get(n, "random") == "random"]
-    teacher = final["teacher"]["perplexity"]
-    summary: dict[str, Any] = {"teacher_perplexity": teacher, "students": {}}
+    across = across_tokenizers(final)
+    metric = "bits_per_byte" if across else "perplexity"  # what compares with the teacher
+    teacher = final["teacher"][metric]
+    summary: dict[str, Any] = {"teacher_perplexity": final["teacher"]["perplexity"], "students": {},
+                               "comparable": ["bits_per_byte"] if across else ["perplexity", "bits_per_byte"]}
     if "bits_per_byte" in final["teacher"]:
         summary["teacher_bits_per_byte"] = final["teacher"]["bits_per_byte"]
     for name in losses:
@@ -44,11 +52,19 @@ def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any
             base = final[baselines[0]]["perplexity"]
             row["no_teacher_perplexity"] = base
             row["perplexity_reduction_vs_no_teacher"] = 1.0 - row["perplexity"] / base
-            row["gap_closed"] = (base - row["perplexity"]) / (base - teacher) if base != teacher else float("nan")
+            ours, theirs = row[metric], final[baselines[0]][metric]
+            row["gap_closed"] = (theirs - ours) / (theirs - teacher) if theirs != teacher else float("nan")
             if "bits_per_byte" in row:
                 row["no_teacher_bits_per_byte"] = final[baselines[0]]["bits_per_byte"]
         summary["students"][name] = row
     return summary
+
+
+def across_tokenizers(final: Mapping[str, Mapping[str, float]]) -> bool:
+    """Whether the students were evaluated on another tokenizer than the teacher's: bits per byte measured, and no
+    KL (which needs one vocabulary; ``evaluation.py`` leaves it out exactly then)."""
+    students = [row for name, row in final.items() if name != "teacher"]
+    return bool(students) and all("bits_per_byte" in row and "mean_kl" not in row for row in students)
 
 
 def _cell(row: Mapping[str, Any], key: str, width: int, digits: int) -> str:
@@ -56,10 +72,12 @@ def _cell(row: Mapping[str, Any], key: str, width: int, digits: int) -> str:
 
 
 def table(summary: Mapping[str, Any]) -> str:
-    teacher = {"perplexity": summary["teacher_perplexity"]}
+    across = "perplexity" not in summary.get("comparable", ["perplexity"])
+    teacher = {} if across else {"perplexity": summary["teacher_perplexity"]}  # its tokens are not the students'
     if "teacher_bits_per_byte" in summary:
         teacher["bits_per_byte"] = summary["teacher_bits_per_byte"]
-    lines = [f"{'model':<14}{'init':>9}{'held-out ppl':>14}{'bits/byte':>11}{'top-1 agree':>13}{'KL to teacher':>15}"]
+    ppl = "ppl own tok" if across else "held-out ppl"
+    lines = [f"{'model':<14}{'init':>9}{ppl:>14}{'bits/byte':>11}{'top-1 agree':>13}{'KL to teacher':>15}"]
     for name, row in {"teacher": teacher, **summary["students"]}.items():
         lines.append(f"{name:<14}{row.get('init', ''):>9}{_cell(row, 'perplexity', 14, 3)}"
                      f"{_cell(row, 'bits_per_byte', 11, 4)}{_cell(row, 'top1_agreement', 13, 3)}"
@@ -68,11 +86,15 @@ def table(summary: Mapping[str, Any]) -> str:
         if "no_teacher_bits_per_byte" in row:
             lines.append(f"{name}: held-out bits per byte {row['bits_per_byte']:.4f} vs "
                          f"{row['no_teacher_bits_per_byte']:.4f} without the teacher (teacher: "
-                         f"{summary['teacher_bits_per_byte']:.4f})")
+                         f"{summary['teacher_bits_per_byte']:.4f}"
+                         + (f"; {100 * row['gap_closed']:.1f}% of the gap closed)" if across else ")"))
         elif "no_teacher_perplexity" in row:
             lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
                          f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower; "
                          f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
+    if across:
+        lines.append("the students' tokenizer is not the teacher's: compare by bits per byte; perplexity is per token "
+                     "of each model's own tokenizer and compares only the students with one another")
     return "\n".join(lines)
 
 

@@ -117,6 +117,17 @@ class RunConfig:
     local store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set); each needs its package. None:
     TensorBoard when installed; []: none."""
 
+    def __post_init__(self) -> None:
+        """Rules between fields that need no model (the rest: ``validate.py``, before the run claims its folder)."""
+        if self.teacher_block_size is not None and self.teacher_block_size < 2:
+            raise ConfigError(f"teacher_block_size: {self.teacher_block_size} teacher tokens per block leave the "
+                              "teacher no token to predict; give at least 2 (or null: data.block_size)")
+        warmed = [r for r in self.task.recipes if r.startswith("on_policy_")]  # these start with warm_start_steps
+        if self.task.name is not None and warmed and self.task.warm_start_steps >= self.training.max_steps:
+            raise ConfigError(f"task.warm_start_steps: {self.task.warm_start_steps} SFT steps of training.max_steps "
+                              f"{self.training.max_steps} leave the on-policy recipes no step of their own; give "
+                              "task.warm_start_steps below training.max_steps, or raise training.max_steps")
+
 
 # ---- field documentation, from the docstrings under each field ------------------------------------------
 

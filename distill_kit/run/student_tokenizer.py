@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,32 @@ def load_or_train(name: str, data: blocks.DataConfig, cache_dir: str | Path) -> 
     return AutoTokenizer.from_pretrained(path)
 
 
+COVERAGE_TEXTS = 64  # training texts a student tokenizer is tried on before anything is tokenised
+MOST_COMMON_SHARE = 0.5
+"""A tokenizer whose single most common id stands for more of the text's tokens than this does not carry the text
+(prose's most common token, a space or 'the', is far below: about a fifth in a character tokenizer): a student
+trained on its ids learns to repeat one id, and its perplexity over them reads low while it predicts nothing."""
+
+
+def coverage_problem(tokenizer: Any, texts: Any) -> str | None:
+    """Why ``tokenizer``'s ids do not carry ``texts`` (most of them the unknown token, or any one id), or None."""
+    counts: dict[int, int] = {}
+    for text in texts:
+        for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+            counts[token] = counts.get(token, 0) + 1
+    total = sum(counts.values())
+    if not total:
+        return None
+    token, count = max(counts.items(), key=lambda item: item[1])
+    if count / total <= MOST_COMMON_SHARE:
+        return None
+    name = tokenizer.convert_ids_to_tokens(token)
+    unknown = " (its unknown token)" if token == tokenizer.unk_token_id else ""
+    return (f"{100 * count / total:.0f}% of the training text's tokens are the one id {token} {name!r}{unknown}: "
+            "this tokenizer does not carry the text, and every figure over its tokens would be meaningless. Give a "
+            f"tokenizer made for this text, or '{TRAINED_PREFIX}<size>' to train one on data.train")
+
+
 def losses_that_compare_ids(loss: Any) -> list[str]:
     """The loss names in a student's ``loss`` entry that read the teacher by token id (wrong across tokenizers)."""
     if isinstance(loss, Sequence) and not isinstance(loss, str):
@@ -117,6 +144,9 @@ def prepare(config: RunConfig, data: blocks.DataConfig, teacher_tokenizer: Any) 
     if problems:
         raise ConfigError(problems[0])
     tokenizer = load_or_train(config.student_tokenizer, data, config.cache_dir)
+    problem = coverage_problem(tokenizer, itertools.islice(_texts(data), COVERAGE_TEXTS))
+    if problem is not None:
+        raise ConfigError(f"student_tokenizer {config.student_tokenizer!r}: {problem}")
     tokenize = functools.partial(tokenize_to_paired_blocks, teacher_tokenizer=teacher_tokenizer,
                                  teacher_block_size=config.teacher_block_size)
     return StudentTokenizer(tokenizer, VocabMap.build(tokenizer, teacher_tokenizer), tokenize)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -20,17 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from distill_kit.config import StudentSpec
-from distill_kit.data import blocks
+from distill_kit.config import StudentSpec, TeacherSpec
+from distill_kit.config import specs as config_specs
+from distill_kit.data import blocks, chat
 from distill_kit.engines import deepspeed_config, distributed, peft_student
 from distill_kit.errors import ConfigError
-from distill_kit.run import run_config, student_tokenizer, trackers
+from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
+from distill_kit.training.on_policy import positions as on_policy_positions
 from losses import build_loss
+from losses import registry as loss_registry
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
 # Adam's two moments (ZeRO-2/3 save all three in fp32).
@@ -102,16 +107,37 @@ def student_init(student: StudentSpec, teacher_config: PretrainedConfig) -> dict
 
 
 def check_output_dir(start: Start) -> list[str]:
-    """Another run's folder, a non-run folder, checkpoints without ``--resume``, nothing to ``--resume``."""
+    """A live run in the folder (its lock), another run's checkpoints, a non-run folder, checkpoints without
+    ``--resume``, nothing to ``--resume``; on ``--resume``: a checkpoint of another rank count, changed data."""
+    config = start.config
+    busy = output_dir.in_use(config.output_dir)
+    if busy is not None:
+        return [busy]
     try:
-        checkpoint.check_output_dir(start.config.output_dir, start.identity, resume=start.resume, record=False)
+        output_dir.check(config.output_dir, start.identity, resume=start.resume,
+                         checkpoint_dir=config.training.checkpoint_dir, record=False)
     except ValueError as err:
         return [str(err)]
     if not start.resume:
         return []
-    directory = start.config.training.checkpoint_dir
+    directory = config.training.checkpoint_dir
     found, skipped = checkpoint.find_latest(directory)
-    return [] if found is not None else [f"--resume: {checkpoint.nothing_to_resume(directory, skipped)}"]
+    if found is None:
+        return [f"--resume: {checkpoint.nothing_to_resume(directory, skipped)}"]
+    problems = output_dir.data_changes(config.output_dir, data_fingerprint(config))
+    saved = json.loads((found / checkpoint.MANIFEST).read_text()).get("world_size")
+    if saved is not None and saved != distributed.world_size():
+        problems.append(f"--resume: checkpoint {found} was written by {saved} ranks, and this start has "
+                        f"{distributed.world_size()}: each rank's data position and random generators are its own. "
+                        f"Resume on {saved} ranks (e.g. torchrun --nproc_per_node {saved} ...)")
+    return problems
+
+
+def data_fingerprint(config: RunConfig) -> dict[str, dict[str, str]]:
+    """The local data files' content hashes (``output_dir.data_fingerprint``); none for the embedded corpus."""
+    if config.data.train == STDLIB_CORPUS:
+        return {}
+    return output_dir.data_fingerprint({"data.train": config.data.train, "data.heldout": config.data.heldout})
 
 
 def check_models(start: Start) -> list[str]:
@@ -293,8 +319,212 @@ def check_trackers(start: Start) -> list[str]:
     return []
 
 
+# ---- settings that need no model, and the models' sizes read from their configs ------------------------------
+
+
+def check_students(start: Start) -> list[str]:
+    """Student names differ; each student's loss names known losses with parameters they take (built as the run
+    builds it, from the models' sizes); cross_tokenizer comes with student_tokenizer."""
+    config, problems = start.config, []
+    names = [s.name for s in config.students]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        problems.append(f"students: the names {repeated} are given more than once; each student needs its own name "
+                        "(it names its folder, log keys and report row)")
+    teacher = start.model_config("teacher", config.teacher)
+    students = start.students()
+    for student in config.students:
+        where = f"students[{student.name}].loss"
+        try:
+            names_used = _loss_names(student.loss)
+            classes = {name: loss_registry.resolve(name) for name in names_used}
+        except (ValueError, TypeError) as err:
+            problems.append(f"{where}: {err}")
+            continue
+        if "cross_tokenizer" in names_used and config.student_tokenizer is None:
+            problems.append(f"{where}: cross_tokenizer distils across two tokenizers, and student_tokenizer is not "
+                            "set: set student_tokenizer (the students' own tokenizer), or use a loss of one vocabulary "
+                            "such as forward_kl")
+            continue
+        try:
+            if "cross_tokenizer" in names_used:  # needs the vocabulary map, built later: check its parameters' names
+                for name, params in _loss_entries(student.loss):
+                    inspect.signature(classes[name].__init__).bind_partial(None, **params)
+            else:
+                own = students[student.name]
+                facts = {f"student_{k}": v for k, v in (_facts(own) if own is not None else {}).items()}
+                facts |= {f"teacher_{k}": v for k, v in (_facts(teacher) if teacher is not None else {}).items()}
+                build_loss(student.loss, **facts)
+        except (ValueError, TypeError) as err:
+            problems.append(f"{where}: {err}")
+    return problems
+
+
+def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(name, parameters) of each term of a loss spec: a name, ``{name, ...}`` or a list of ``{name, weight, ...}``."""
+    if isinstance(spec, str):
+        return [(spec, {})]
+    if isinstance(spec, dict):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"loss entry {spec!r} has no 'name'; e.g. {{name: forward_kl, temperature: 1.0}}")
+        return [(name, params)]
+    if isinstance(spec, (list, tuple)):
+        entries = []
+        for entry in spec:
+            (name, params), = _loss_entries(entry)
+            entries.append((name, {k: v for k, v in params.items() if k not in ("weight", "label")}))
+        return entries
+    raise ValueError(f"expected a loss name, {{name: ..., params}} or a list of them, got {spec!r}")
+
+
+def _loss_names(spec: Any) -> list[str]:
+    return [name for name, _ in _loss_entries(spec)]
+
+
+def check_on_policy(start: Start) -> list[str]:
+    """On-policy training: one student, chat data (the prompts it answers), an end token and a pad token inside
+    every vocabulary, and (sampler teacher) a sampling teacher that takes part in the loss."""
+    config = start.config
+    on_policy = config.training.on_policy
+    if on_policy.fraction == 0:
+        return []
+    problems = []
+    where = f"training.on_policy.fraction={on_policy.fraction}"
+    if len(config.students) > 1:
+        problems.append(f"{where} with {len(config.students)} students: each would sample its own answers, so they "
+                        "could not share batches. Keep one student, or set training.on_policy.fraction: 0")
+    if config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":
+        problems.append(f"{where} on text data (data.format: text): a sample answers a prompt, and packed text has "
+                        "none. Give chat data (records with messages, or prompt/completion), or set "
+                        "training.on_policy.fraction: 0")
+    if on_policy.sampler == "teacher" and config.teachers and config.teachers[0].weight == 0:
+        problems.append(f"training.on_policy.sampler: teacher samples from the first teacher "
+                        f"({config.teachers[0].name}), whose weight is 0: the student would learn from samples of a "
+                        "teacher its loss ignores. List a teacher with weight > 0 first")
+    sampling_source = config.teacher if on_policy.sampler == "teacher" else (
+        config.students[0].model or config.teacher)
+    sampling = (start.model_config("teacher", config.teacher) if on_policy.sampler == "teacher"
+                else start.students().get(config.students[0].name))
+    vocabularies = [c.vocab_size for c in [start.model_config("teacher", config.teacher), *start.students().values()]
+                    if c is not None and getattr(c, "vocab_size", None)]
+    vocab = min(vocabularies) if vocabularies else None
+    eos = on_policy.eos_token_id
+    eos_key = "training.on_policy.eos_token_id"
+    if eos is None and sampling is not None:
+        eos, eos_key = _end_token(sampling_source, sampling), f"the end token of {sampling_source!r} (eos_token_id)"
+        if eos is None:
+            problems.append(f"training.on_policy: {sampling_source!r} has no end token (no eos_token_id in its config "
+                            "or generation config), so samples would never end; set training.on_policy.eos_token_id "
+                            "(e.g. the tokenizer's eos_token_id)")
+    for key, value in ((eos_key, eos), ("training.on_policy.pad_token_id", on_policy.pad_token_id)):
+        if value is not None and vocab is not None and not 0 <= value < vocab:
+            problems.append(f"{key}: {value} is outside the vocabulary (ids 0..{vocab - 1} in every model of the "
+                            "run); give a token id of the tokenizer")
+    return problems
+
+
+def _end_token(source: str, config: PretrainedConfig) -> int | None:
+    """The token a sample ends at, as the sampler reads it: the generation config's, else the model config's."""
+    eos = None
+    if (Path(source) / "generation_config.json").is_file():
+        try:
+            eos = GenerationConfig.from_pretrained(source).eos_token_id
+        except Exception:  # noqa: BLE001 - an unreadable generation config: the model config's end token
+            pass
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def check_data_format(start: Start) -> list[str]:
+    """Chat settings on chat data only: ``data.format: chat`` on plain-text files, ``student_tokenizer`` on chat
+    data (not supported yet), and a held-out split is needed with answers (evaluation counts answer tokens)."""
+    config = start.config
+    if config.data.train == STDLIB_CORPUS:
+        return []
+    files = [config.data.train] if isinstance(config.data.train, str) else list(config.data.train)
+    problems = []
+    text_files = [f for f in files if Path(f).suffix.lower() in (".txt", ".text")]
+    if config.data.format == "chat" and text_files:
+        problems.append(f"data.format: chat, but data.train {text_files[0]!r} is plain text (a .txt file has no "
+                        "records): give .jsonl/.json/.parquet records with messages (or prompt/completion), or set "
+                        "data.format: text")
+    elif config.student_tokenizer is not None and chat.detect_format(config.data) == "chat":
+        problems.append("student_tokenizer works with text data only: chat data across tokenizers (a template per "
+                        "tokenizer, aligned answers) is not supported yet. Drop student_tokenizer, or give text data "
+                        "(data.format: text)")
+    return problems
+
+
+def check_positions(start: Start) -> list[str]:
+    """Every row a model reads fits its positions (``max_position_embeddings``, read from its config; no weights
+    loaded): ``data.block_size`` for the teacher(s) and the students, ``teacher_block_size`` for a teacher of
+    another tokenizer. A longer row is scored past what the model was trained on, or fails on an index."""
+    config, problems = start.config, []
+    teacher_rows = ("teacher_block_size", config.teacher_block_size) if (
+        config.student_tokenizer is not None and config.teacher_block_size is not None) else (
+        "data.block_size", config.data.block_size)
+    models: list[tuple[str, PretrainedConfig | None, tuple[str, int]]] = [
+        ("teacher", start.model_config("teacher", config.teacher), teacher_rows)]
+    models += [(f"students[{name}]", c, ("data.block_size", config.data.block_size))
+               for name, c in start.students().items()]
+    for name, model, (key, rows) in models:
+        limit = on_policy_positions(model)
+        if limit is not None and rows > limit:
+            problems.append(f"{key}: {rows} tokens per row, but {name} reads at most {limit} positions "
+                            f"(max_position_embeddings in its config): set {key} to {limit} or less")
+    return problems
+
+
+def row_limit(config: RunConfig) -> int | None:
+    """The fewest positions among the run's models (teachers and students, from their configs): the longest row
+    an on-policy sample may make (``training.on_policy.max_length`` when it is 0)."""
+    start = Start(run_config.lead_teacher(config), False, {})
+    configs = [start.model_config("teacher", start.config.teacher), *start.students().values()]
+    configs += [_read_config(t.model) for t in config.teachers or ()][1:]
+    limits = [limit for c in configs if (limit := on_policy_positions(c)) is not None]
+    return min(limits) if limits else None
+
+
+def check_peft_students(start: Start) -> list[str]:
+    """LoRA adapters go on a pretrained student (adapters on a random frozen base learn on noise), and every
+    ``target_modules`` name is a module of the student (checked on a model built on the meta device)."""
+    problems = []
+    for student in start.config.students:
+        if student.peft is None:
+            continue
+        where = f"students[{student.name}].peft"
+        if student.model is None and student.init_from_teacher is None:
+            problems.append(f"{where}: LoRA adapters train on a frozen pretrained student, but this student is built "
+                            "with random weights (init): its frozen base would stay noise. Give model: a pretrained "
+                            "directory (or init_from_teacher), or drop peft to train every weight")
+            continue
+        model_config = start.students().get(student.name)
+        targets = student.peft.target_modules
+        if model_config is None or isinstance(targets, str):  # 'all-linear' or a regex: peft resolves it
+            continue
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(model_config)
+        except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
+            continue
+        leaves = {name.rpartition(".")[2] for name, _ in model.named_modules()} | {n for n, _ in model.named_modules()}
+        missing = [t for t in targets if t not in leaves]
+        if missing:
+            linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+            problems.append(f"{where}.target_modules: {missing} name no module of the student; its linear layers "
+                            f"are {linear} (or use 'all-linear')")
+    return problems
+
+
 Check = Callable[[Start], list[str]]
 CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
+                       check_data_format, check_students, check_on_policy, check_positions, check_peft_students,
                        check_deepspeed_configs, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
@@ -302,7 +532,7 @@ CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check
 
 def check_teachers(config: RunConfig) -> list[str]:
     """``teacher`` or ``teachers`` (not both, not neither); with ``teachers``: well-formed entries (names, models,
-    weights), one student, one tokenizer for all, each teacher's folder and DeepSpeed config, and a loss that
+    weights), one tokenizer for all, each teacher's folder and DeepSpeed config, and a loss that
     ``combine`` can combine. Reads the config as given (``load`` leaves ``teacher`` out when ``teachers`` is given)."""
     from distill_kit.training import teachers as multi_teacher  # the Distiller and DeepSpeed: only when needed
 
@@ -318,20 +548,14 @@ def check_teachers(config: RunConfig) -> list[str]:
         return [f"teacher ({config.teacher!r}) and teachers are both given: a run has one teacher (teacher:) or "
                 "several (teachers:); drop teacher:, or add it to teachers: as one more entry"]
     problems = []
-    missing = [f"teachers[{i}]" for i, t in enumerate(config.teachers) if t.name is None or t.model is None]
-    if missing:
-        return [f"{', '.join(missing)}: every teacher needs a name and a model, e.g. {{name: big, model: "
-                "path/to/teacher, weight: 1.0}"]
+    if not config.teachers:
+        return ["teachers: no teachers: give at least one, e.g. [{name: big, model: path/to/teacher, weight: 1.0}], "
+                "or one teacher as teacher: path/to/teacher"]
     try:
-        specs = multi_teacher.teacher_specs([{"name": t.name, "model": t.model, "weight": t.weight}
-                                             for t in config.teachers])
+        specs = config_specs(TeacherSpec, config.teachers, "teacher")
+        multi_teacher.check_weights(specs)
     except ValueError as err:
         return [f"teachers: {err}"]
-    if len(config.students) != 1:
-        problems.append(
-            f"teachers: several teachers teach one student, but students has {len(config.students)} "
-            f"({', '.join(s.name for s in config.students)}): keep one entry in students (e.g. students: [{{name: "
-            "distilled, init_from_teacher: {every: 2}}]), or distil the others in their own runs")
     if config.student_tokenizer is not None:
         problems.append("student_tokenizer with teachers: distilling across tokenizers (cross_tokenizer) takes one "
                         "teacher; drop student_tokenizer (every teacher then shares the students' tokenizer), or "

@@ -62,7 +62,6 @@ DELETING = ".deleting-"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 DEEPSPEED_TAG = "deepspeed"
-RUN_IDENTITY = "run_identity.json"
 FORMAT = 2
 """2: each rank's state as JSON + safetensors. 1: as a pickle (``rank*.pt``), read only with weights_only."""
 TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
@@ -517,61 +516,3 @@ def _weights_only(engines: Iterable[Any]) -> Iterator[None]:
     finally:
         for checkpoint_engine in patched:
             del checkpoint_engine.load
-
-
-# ---- the output directory --------------------------------------------------------------------------------
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def check_output_dir(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool,
-                     record: bool = True) -> None:
-    """Refuse an output directory that holds another run; record this run's identity in a new one.
-
-    ``run_identity`` is what must not change across a resume (e.g. the run config without logging settings);
-    it is stored as ``run_identity.json``. A directory with the same identity is accepted when resuming, and
-    also when not resuming as long as it holds no checkpoint (starting over would mix two runs' checkpoints).
-    ``resume`` in a directory that holds no run is an error (it would start a new run where the user meant to
-    continue one). With ``record=False`` nothing is written (a check before any work). Call it on rank 0 before
-    training, then barrier.
-    """
-    directory = Path(directory)
-    identity = json.loads(json.dumps(run_identity, default=str))  # as it will read back from disk
-    path = directory / RUN_IDENTITY
-    if path.is_file():
-        saved, current = _flatten(json.loads(path.read_text())), _flatten(identity)
-        changed = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
-                   for key in sorted(saved.keys() | current.keys()) if saved.get(key) != current.get(key)]
-        if changed:
-            raise ValueError(
-                f"output directory {directory} holds another run ({'; '.join(changed)}). Choose a new output "
-                "directory, or put those settings back to resume that run."
-            )
-        if not resume and any(directory.rglob(MANIFEST)):
-            raise ValueError(
-                f"output directory {directory} holds checkpoints of this run: resume it (--resume), or choose a "
-                "new output directory to start over."
-            )
-        return
-    if resume:
-        raise ValueError(
-            f"--resume: output directory {directory} holds no run to resume (no {RUN_IDENTITY}). Give the stopped "
-            "run's output_dir, or leave out --resume to start a new run."
-        )
-    if directory.is_dir() and any(directory.iterdir()):
-        raise ValueError(
-            f"output directory {directory} is not empty and holds no {RUN_IDENTITY}: it is not a distill-kit run. "
-            "Choose an empty or new output directory."
-        )
-    if not record:
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from distill_kit.engines import distributed
+from distill_kit.errors import DataError
 from losses.base import next_token_labels, valid_positions
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
@@ -115,6 +116,12 @@ def evaluate_students(
     report = None
     gathered = {name: _gather(v) for name, v in values.items()}
     teacher = _gather(teacher_values)
+    counted = None if teacher is None else max((len(v) for k, v in teacher.items() if k.endswith("nll")), default=0)
+    if distributed.broadcast_object(counted) == 0:  # every rank raises, none is left in a collective
+        raise DataError(f"the held-out evaluation counted no token in {max_batches if max_batches else 'all'} "
+                        "batches (its rows hold no label to score: prompts only, or nothing): perplexity would read "
+                        "1 and KL 0 over nothing. Give held-out data with answers (data.heldout), or more eval "
+                        "batches (eval.max_batches)")
     if distributed.is_main():
         report = {"teacher": _own_metrics(teacher, "teacher")}
         for name, stats in gathered.items():

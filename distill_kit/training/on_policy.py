@@ -29,6 +29,7 @@ choice and sampling draw from the global torch generators, which every checkpoin
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from losses.base import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+logger = logging.getLogger(__name__)
 
 
 
@@ -55,6 +57,7 @@ class Sampler:
 
     def __init__(self, config: OnPolicyConfig, model: Callable[[], nn.Module], synced: bool = False):
         self.config, self.model, self.synced = config, model, synced
+        self.capped = False  # the cap to max_length was logged
 
     def __call__(self, batch: Mapping[str, Any]) -> Batch:
         """One micro-batch, its chosen rows sampled in one call."""
@@ -109,7 +112,8 @@ class Sampler:
         mask = torch.zeros_like(ids)
         for i, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt, 1
-        options: dict[str, Any] = {"do_sample": config.temperature > 0, "max_new_tokens": config.max_new_tokens,
+        room = self.room(model, width)
+        options: dict[str, Any] = {"do_sample": config.temperature > 0, "max_new_tokens": max(room, 1),
                                    "pad_token_id": pad, "eos_token_id": eos, "synced_gpus": self.synced,
                                    "use_cache": True}  # a training config often turns the cache off
         if config.temperature > 0:
@@ -123,9 +127,24 @@ class Sampler:
                 out = model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:]
         finally:
             model.train(was_training)
+        if room < 1:  # a prompt that fills every position gets no sample (its one decoded token, decoded so that
+            return [out[i, :0] for i in range(len(prompts))]  # a synced generate steps with the others, is dropped)
         ended = (out == eos).int()
         lengths = torch.where(ended.any(dim=1), ended.argmax(dim=1) + 1, out.shape[1])
         return [out[i, :int(n)] for i, n in enumerate(lengths)]
+
+    def room(self, model: nn.Module, width: int) -> int:
+        """New tokens that fit after prompts ``width`` long: ``max_new_tokens``, cut to the row limit
+        (``max_length``, or the sampling model's positions), the cut logged the first time it bites."""
+        limit = self.config.max_length or positions(getattr(model, "config", None))
+        if limit is None or width + self.config.max_new_tokens <= limit:
+            return self.config.max_new_tokens
+        if not self.capped:
+            self.capped = True
+            logger.warning("on-policy samples capped at %d new tokens (prompts of %d tokens + on_policy.max_new_tokens "
+                           "%d would pass the %d positions a model of the run reads; longer prompts get fewer)",
+                           max(limit - width, 0), width, self.config.max_new_tokens, limit)
+        return limit - width
 
     def static_cache(self, model: nn.Module, device: torch.device) -> bool:
         """'auto': a static cache (whose decode step transformers compiles) for a whole model on an accelerator;
@@ -155,6 +174,18 @@ class Sampler:
             return self.config.pad_token_id
         pad = getattr(self.model().config, "pad_token_id", None)
         return int(pad) if pad is not None else self.eos_token_id
+
+
+def positions(config: Any) -> int | None:
+    """How many positions a model's config says it reads (None when it does not say): the longest row it takes."""
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 @contextlib.contextmanager

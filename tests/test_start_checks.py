@@ -1,0 +1,185 @@
+"""The rules a start is checked against before it claims its output folder (``run/validate.py``, the run
+config's own rules), on inputs other than the ones issue 24 lists: each breaks when its rule does.
+
+Models here are config-only folders (``config.json``, no weights): no check reads weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, PreTrainedTokenizerFast
+
+from distill_kit.errors import ConfigError, DataError
+from distill_kit.run import cli, evaluation, report, run_config, student_tokenizer, validate
+from distill_kit.training import checkpoint
+
+
+def _model_dir(path: Path, **fields) -> Path:
+    GPT2Config(**{"vocab_size": 50, "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 64,
+                  "bos_token_id": 0, "eos_token_id": 49, **fields}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    (tmp_path / "train.txt").write_text("some text\n")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    return {"root": tmp_path, "teacher": _model_dir(tmp_path / "teacher")}
+
+
+def _start(setup, *args: str, resume: bool = False) -> validate.Start:
+    config = run_config.load(None, [f"teacher={setup['teacher']}", f"output_dir={setup['root'] / 'run'}",
+                                    f"data.train={setup['root'] / 'train.txt'}", "data.block_size=32",
+                                    "--students", "[{name: s, init: {n_layer: 1}}]", *args])
+    config = cli.with_output_dir(config, resume)
+    return validate.Start(config, resume, cli.run_identity(config))
+
+
+# ---- 2: every row a model reads fits its positions --------------------------------------------------------
+
+
+def test_rows_longer_than_a_models_positions_are_refused_naming_the_model_and_the_fix(setup):
+    assert validate.check_positions(_start(setup, "data.block_size=64")) == []
+    problem, student = validate.check_positions(_start(setup, "data.block_size=65"))  # the student is as wide
+    assert student.startswith("data.block_size: 65 tokens per row, but students[s] reads at most 64")
+    assert problem == ("data.block_size: 65 tokens per row, but teacher reads at most 64 positions "
+                       "(max_position_embeddings in its config): set data.block_size to 64 or less")
+    narrow = _start(setup, "data.block_size=48", "--students", "[{name: short, init: {n_positions: 40, n_layer: 1}}]")
+    (problem,) = validate.check_positions(narrow)
+    assert problem.startswith("data.block_size: 48 tokens per row, but students[short] reads at most 40 positions")
+    assert validate.row_limit(narrow.config) == 40  # the on-policy samples' row limit: the fewest positions
+
+
+# ---- 4 and 5: settings that need no training, found before the claim ----------------------------------------
+
+
+@pytest.mark.parametrize(("students", "message"), [
+    ("[{name: s, init: {n_layer: 1}, loss: {name: reverse_kl, temprature: 2}}]",
+     "students[s].loss: bad parameters for loss 'reverse_kl'"),
+    ("[{name: s, init: {n_layer: 1}, loss: [{name: cross_entropy, weight: 1}, {name: jsd, weight: 1}]}]",
+     "students[s].loss: unknown loss 'jsd'"),
+    ("[{name: s, init: {n_layer: 1}, loss: [{name: cross_entropy, weight: 1}, {name: cross_tokenizer, weight: 1}]}]",
+     "students[s].loss: cross_tokenizer distils across two tokenizers, and student_tokenizer is not set"),
+    ("[{name: a, init: {n_layer: 1}}, {name: b, init: {n_layer: 1}}, {name: a, init: {n_embd: 8}}]",
+     "students: the names ['a'] are given more than once"),
+])
+def test_student_and_loss_mistakes_are_found_up_front(setup, students, message):
+    problems = validate.check_students(_start(setup, "--students", students))
+    assert len(problems) == 1 and problems[0].startswith(message)
+
+
+def test_on_policy_rules(setup):
+    root = setup["root"]
+    chat = [f"data.train={root / 'chat.jsonl'}", "training.on_policy.fraction=0.5"]
+    assert validate.check_on_policy(_start(setup, *chat)) == []
+    (problem,) = validate.check_on_policy(_start(setup, *chat, "training.on_policy.pad_token_id=50"))
+    assert problem.startswith("training.on_policy.pad_token_id: 50 is outside the vocabulary (ids 0..49")
+    (problem,) = validate.check_on_policy(_start(setup, *chat, f"teacher={_model_dir(root / 'wide', eos_token_id=70)}"))
+    assert "(eos_token_id): 70 is outside the vocabulary" in problem  # the sampling student's, from the teacher
+    endless = _model_dir(root / "endless", eos_token_id=None)
+    (problem,) = validate.check_on_policy(_start(setup, *chat, f"teacher={endless}"))
+    assert "has no end token" in problem and "set training.on_policy.eos_token_id" in problem
+    (problem,) = validate.check_on_policy(_start(setup, "training.on_policy.fraction=0.25"))
+    assert problem.startswith("training.on_policy.fraction=0.25 on text data")
+    two = _start(setup, *chat, "--students", "[{name: a, init: {n_layer: 1}}, {name: b, init: {n_layer: 1}}]")
+    (problem,) = validate.check_on_policy(two)
+    assert problem.startswith("training.on_policy.fraction=0.5 with 2 students")
+
+
+def test_a_sampling_teacher_that_the_loss_ignores_is_refused(setup):
+    second = _model_dir(setup["root"] / "second")
+    config = run_config.load(None, [
+        "teacher=null", "--teachers", f"[{{name: quiet, model: {setup['teacher']}, weight: 0}}, "
+        f"{{name: loud, model: {second}, weight: 1}}]", f"data.train={setup['root'] / 'chat.jsonl'}",
+        "training.on_policy.fraction=1", "training.on_policy.sampler=teacher", "--students", "[{name: s}]"])
+    start = validate.Start(run_config.lead_teacher(config), False, {})
+    (problem,) = validate.check_on_policy(start)
+    assert problem.startswith("training.on_policy.sampler: teacher samples from the first teacher (quiet)")
+
+
+def test_lora_needs_a_pretrained_base_and_existing_target_modules(setup):
+    (problem,) = validate.check_peft_students(_start(setup, "--students", "[{name: s, init: {n_layer: 1}, peft: {}}]"))
+    assert problem.startswith("students[s].peft: LoRA adapters train on a frozen pretrained student, but this")
+    pretrained = f"[{{name: s, model: {setup['teacher']}, peft: {{target_modules: [c_attn, c_prj]}}}}]"
+    (problem,) = validate.check_peft_students(_start(setup, "--students", pretrained))
+    assert problem.startswith("students[s].peft.target_modules: ['c_prj'] name no module of the student")
+    assert "'c_proj'" in problem
+
+
+def test_chat_settings_on_the_wrong_data(setup):
+    (problem,) = validate.check_data_format(_start(setup, "data.format=chat"))
+    assert problem.startswith(f"data.format: chat, but data.train {str(setup['root'] / 'train.txt')!r} is plain")
+    (problem,) = validate.check_data_format(_start(setup, f"data.train={setup['root'] / 'chat.jsonl'}",
+                                                   "student_tokenizer=bpe:300"))
+    assert problem.startswith("student_tokenizer works with text data only")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--students", "[{name: fast, lr: 0}]"], "students[fast].lr: 0"),
+    (["eval.max_batches=-3"], "eval.max_batches: -3 batches would evaluate nothing"),
+    (["teacher_block_size=0"], "teacher_block_size: 0 teacher tokens per block"),
+    (["task.name=arithmetic", "task.warm_start_steps=400", "training.max_steps=300"],
+     "task.warm_start_steps: 400 SFT steps of training.max_steps 300"),
+    (["task.max_new_tokens=-1"], "task.max_new_tokens: -1 tokens"),
+])
+def test_settings_out_of_range_name_their_key_at_load(args, message):
+    with pytest.raises(ConfigError, match=f"^(task: )?{message.replace('[', '.').replace(']', '.')}"):
+        run_config.load(None, args)
+
+
+def test_resume_on_another_rank_count_is_refused_before_any_engine(setup, monkeypatch):
+    start = _start(setup, resume=True)
+    out = Path(start.config.output_dir)
+    from distill_kit.run import output_dir
+    output_dir.check(out, start.identity, resume=False)
+    written = checkpoint.save(start.config.training.checkpoint_dir, {}, step=3, trainer_state={}, rank_state={},
+                              teacher_sha256=None, keep_last=1)
+    assert validate.check_output_dir(start) == []
+    monkeypatch.setattr(validate.distributed, "world_size", lambda: 4)
+    (problem,) = validate.check_output_dir(start)
+    assert problem.startswith(f"--resume: checkpoint {written} was written by 1 ranks, and this start has 4")
+
+
+# ---- 1: no figure over nothing, and the report says what compares ---------------------------------------------
+
+
+class _Logits:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def test_an_evaluation_over_no_counted_token_is_an_error():
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": torch.ones(2, 6, dtype=torch.long),
+             "labels": torch.full((2, 6), -100)}
+    forward = lambda batch: _Logits(torch.zeros(2, 6, 7))  # noqa: E731
+    with pytest.raises(DataError, match="the held-out evaluation counted no token in 3 batches"):
+        evaluation.evaluate_students({"s": forward}, forward, [batch] * 3, torch.device("cpu"), max_batches=3)
+    batch["labels"][0, 3] = 2
+    result = evaluation.evaluate_students({"s": forward}, forward, [batch], torch.device("cpu"))
+    assert result["s"]["perplexity"] == pytest.approx(7.0)
+
+
+def test_across_tokenizers_the_report_compares_by_bits_per_byte_only():
+    final = {"teacher": {"perplexity": 9.0, "bits_per_byte": 1.0},
+             "kd": {"perplexity": 2.0, "bits_per_byte": 1.5}, "ce": {"perplexity": 3.0, "bits_per_byte": 2.0}}
+    summary = report.summarize(final, {"kd": "cross_tokenizer", "ce": "cross_entropy"})
+    assert summary["comparable"] == ["bits_per_byte"]
+    assert summary["students"]["kd"]["gap_closed"] == pytest.approx(0.5)  # (2.0 - 1.5) / (2.0 - 1.0) in bits/byte
+    printed = report.table(summary)
+    assert "9.000" not in printed and "compare by bits per byte" in printed
+    same = {name: {**row, "mean_kl": 0.1} if name != "teacher" else row for name, row in final.items()}
+    assert "9.000" in report.table(report.summarize(same, {"kd": "forward_kl", "ce": "cross_entropy"}))
+
+
+def test_a_student_tokenizer_whose_ids_do_not_carry_the_text_is_refused():
+    letters = {c: i for i, c in enumerate("[UNK] a b c".split())}
+    tokenizer = Tokenizer(models.WordLevel(letters, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    problem = student_tokenizer.coverage_problem(fast, ["the quick brown fox jumps over a lazy dog"])
+    assert problem is not None and "are the one id 0 '[UNK]' (its unknown token)" in problem
+    assert student_tokenizer.coverage_problem(fast, ["abcabcab c"]) is None
