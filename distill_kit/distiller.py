@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distill_kit.data.chat import packed_model_inputs
 from distill_kit.engines import deepspeed_config, distributed, kernels, models, peft_student
 from distill_kit.engines.build import build_student, build_teacher
 from distill_kit.engines.head import why_not_fused
@@ -121,12 +122,13 @@ class Distiller(Trainer):
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         """What both models are called with: no labels (the loss modules own every loss), and hidden
         states or attentions only when a loss asks for them."""
-        return {
+        inputs = {
             "input_ids": batch["input_ids"],
             "attention_mask": batch.get("attention_mask"),
             "output_hidden_states": self.loss.needs_hidden_states,
             "output_attentions": self.loss.needs_attentions,
         }
+        return inputs | packed_model_inputs(batch)  # packed chat rows: position_ids, no 2-D mask, no cache
 
     def make_batch(self, batch: Batch) -> Batch:
         """Each micro-batch as trained on, before the step counts its tokens (the loop calls it): with
