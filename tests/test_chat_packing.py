@@ -8,18 +8,21 @@ compare every real position's logits, the per-token losses and the student's gra
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from launch import run_ranks
+from test_chat_data import SCRIPT, _assistant_perplexity, _chat_args, tiny_chat, tokenizer  # noqa: F401
+from tiny_models import VOCAB, gpt2_config, llama_config, qwen2_config
 from transformers import AutoModelForCausalLM
 
 from distill_kit.data import chat
 from distill_kit.data.blocks import IGNORE_INDEX
 from distill_kit.errors import ConfigError
 from losses.base import valid_positions
-from tests.tiny_models import VOCAB, gpt2_config, llama_config, qwen2_config
 
 PAD = 0
 BLOCK = 48  # the tiny models hold 64 positions
@@ -239,3 +242,44 @@ def test_dataconfig_packing_defaults_to_none_and_text_still_joins_documents():
     config = DataConfig(train="x.jsonl")
     assert config.packing is None
     assert dataclasses.replace(config, packing=True).packing is True
+
+
+# ---- the config and the CLI -------------------------------------------------------------------------------
+
+
+def test_packing_with_sampled_rows_is_refused_before_any_work(tmp_path):
+    from distill_kit.run import run_config, validate
+    from distill_kit.training.on_policy import OnPolicyConfig, Sampler
+
+    records = tmp_path / "chat.jsonl"
+    records.write_text('{"prompt": "What is 1+1?", "completion": "2."}\n')
+    config = run_config.load(None, [f"data.train={records}", "data.packing=true", "training.on_policy.fraction=0.5"])
+    assert config.data.packing is True
+    start = validate.Start(config, resume=False, identity={})
+    assert validate.check_packing(start) == [
+        "data.packing: true cannot be combined with training.on_policy.fraction=0.5: sampled rows are not packed "
+        "yet; set data.packing: false (padded rows) or training.on_policy.fraction: 0"]
+    text = run_config.load(None, [f"data.train={tmp_path / 'a.txt'}", "data.packing=true",
+                                  "training.on_policy.fraction=0.5"])
+    assert validate.check_packing(validate.Start(text, resume=False, identity={})) == []  # text: joined blocks
+    unpacked = run_config.load(None, [f"data.train={records}", "training.on_policy.fraction=0.5"])
+    assert unpacked.data.packing is None
+    assert validate.check_packing(validate.Start(unpacked, resume=False, identity={})) == []
+    # A packed batch reaching a sampler from Python is refused too.
+    batch = chat.packed_batch([[([5, 6], [IGNORE_INDEX, 6])]], PAD)
+    with pytest.raises(ConfigError, match="data.packing: true cannot be combined with training.on_policy.fraction"):
+        Sampler(OnPolicyConfig(fraction=0.5), lambda: None)(batch)
+
+
+def test_cli_trains_and_evaluates_on_packed_chat_data(tiny_chat, tmp_path):  # noqa: F811
+    """One rank through the Distiller with data.packing: true: it trains, and the held-out perplexity of packed
+    evaluation batches equals the exported student's, computed one conversation at a time unpacked."""
+    out = tmp_path / "run"
+    done = run_ranks(SCRIPT, [*_chat_args(tiny_chat, out), "data.packing=true"], nprocs=0)
+    assert "conversations packed into" in done.stdout + done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [e["step"] for e in report["evaluations"]] == [2, 4]
+    for name in ("distilled", "no_teacher"):
+        exported = _assistant_perplexity(out / "students" / name, tiny_chat["root"] / "heldout.jsonl")
+        # float32 models: packed rows and single conversations round differently, ~1e-6 relative per logit.
+        assert exported == pytest.approx(report["summary"]["students"][name]["perplexity"], rel=1e-4)

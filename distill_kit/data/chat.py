@@ -628,10 +628,17 @@ class ChatLoader(EpochLoader):
                 f"({micro_batch_size}) = {global_batch} rows: use more data, a smaller micro-batch or fewer ranks"
                 + (", or a smaller data.block_size" if packing else ""))
         super().__init__(dataset, micro_batch_size, rank, world_size, seed, shuffle, drop_last)
-        self.lengths, self.pad_id = lengths, pad_id
+        self.lengths, self.pad_id, self.block_size = lengths, pad_id, block_size
         if packing:
             whole, rest = divmod(rows, global_batch)
             self.num_batches = whole + (1 if rest and not drop_last else 0)
+
+    def describe_packing(self, name: str) -> str:
+        """One line for the run's log: conversations, rows, and the share of the rows' positions that are tokens."""
+        rows = len(self.packed_rows or [])
+        return (f"chat data {name}: {len(self.lengths)} conversations packed into {rows} rows of block_size "
+                f"{self.block_size}, {sum(self.lengths) / max(rows * (self.block_size or 1), 1):.1%} of their "
+                "positions real tokens")
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Row indices of ``epoch``, global batch after global batch (a partial one last).
