@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import datasets
 import pytest
@@ -283,3 +286,18 @@ def test_cli_trains_and_evaluates_on_packed_chat_data(tiny_chat, tmp_path):  # n
         exported = _assistant_perplexity(out / "students" / name, tiny_chat["root"] / "heldout.jsonl")
         # float32 models: packed rows and single conversations round differently, ~1e-6 relative per logit.
         assert exported == pytest.approx(report["summary"]["students"][name]["perplexity"], rel=1e-4)
+
+
+def test_the_packing_benchmark_runs_on_the_cpu(tmp_path):
+    """Smoke only (nothing about speed): every batching ran, and packing is the densest."""
+    from launch import ROOT
+
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_packing.py"), "--pair", "tiny", "--conversations",
+                    "40", "--max-length", "256", "--block-size", "256", "--micro-batch", "2", "--steps", "1",
+                    "--warmup", "0", "--out", str(out)], cwd=ROOT, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"packed", "grouped", "random"}
+    assert all(m["counted_tokens_per_s"] > 0 for m in modes.values())
+    assert modes["packed"]["real_share"] > max(modes["grouped"]["real_share"], modes["random"]["real_share"])

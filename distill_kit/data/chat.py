@@ -2,7 +2,7 @@
 
 **The batch contract** (what the training loop, the losses, evaluation and on-policy sampling rely on). A chat
 micro-batch is a dict of three ``torch.long`` tensors of shape ``[B, L]``, ``L`` the longest row of *this*
-micro-batch (rows are never packed together):
+micro-batch (one conversation a row; with ``data.packing: true`` see "Packed batches" below):
 
 * ``input_ids``: the conversation rendered by the chat template, right-padded with the tokenizer's pad id
   (its EOS id when it has no pad token);
