@@ -61,9 +61,11 @@ class DataConfig:
     """The column holding the text (``text`` for .txt files)."""
     block_size: int = 256
     """Tokens per block; for chat data the longest conversation kept (longer ones are cut, docs/chat.md)."""
-    packing: bool = True
-    """True: documents joined with EOS and cut into full blocks. False: one document per block, padded.
-    Chat data is never packed."""
+    packing: bool | None = None
+    """Text: true or null (default) joins documents with EOS and cuts full blocks (attention spans documents, as
+    in pretraining); false puts one document per block, padded. Chat: true packs whole conversations into rows of
+    up to block_size tokens, positions restarting per conversation so that none attends to or predicts another
+    (docs/chat.md#packing); false or null (default) puts one conversation per row, padded."""
     max_train_blocks: int | None = None
     """Keep only the first N training blocks (chat: conversations; a data-scarce slice in the data's order)."""
     max_heldout_blocks: int | None = None
@@ -308,7 +310,7 @@ def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, tokeniz
             text,
             tokenizer,
             block_size=config.block_size,
-            packing=config.packing,
+            packing=config.packing is not False,
             text_field=config.text_field,
             num_proc=config.num_proc,
             desc=f"tokenising {name}",

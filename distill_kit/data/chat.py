@@ -2,7 +2,7 @@
 
 **The batch contract** (what the training loop, the losses, evaluation and on-policy sampling rely on). A chat
 micro-batch is a dict of three ``torch.long`` tensors of shape ``[B, L]``, ``L`` the longest row of *this*
-micro-batch (rows are never packed together):
+micro-batch (one conversation a row; with ``data.packing: true`` see "Packed batches" below):
 
 * ``input_ids``: the conversation rendered by the chat template, right-padded with the tokenizer's pad id
   (its EOS id when it has no pad token);
@@ -46,10 +46,21 @@ sampling), it is dropped. Both counts are reported (:class:`ChatStats`).
 **Batches.** :class:`ChatLoader` groups rows of similar length into the same global batch (less padding),
 shuffles the batches, and gives every rank the same number of micro-batches; its order depends only on the seed
 and the epoch, and its position is checkpointed like :class:`~distill_kit.data.blocks.BlockLoader`'s.
+
+**Packed batches** (``data.packing: true``, :func:`pack_lengths`, :func:`packed_batch`). Whole conversations
+share a row of up to ``block_size`` tokens. A packed micro-batch has ``input_ids``, ``labels`` and
+``position_ids`` (``[B, L]``) and **no** ``attention_mask``: positions restart at 0 with every conversation, and
+transformers' mask creation (``masking_utils.find_packed_sequence_indices``) then confines attention to each
+conversation, which it does only when no 2-D attention mask is given. The label of each conversation's first
+token is -100 (``DataCollatorWithFlattening``'s separator), so no token is predicted from the conversation before
+it; the loss never counted that label anyway (position ``t`` predicts ``t + 1``), so the counted tokens are those
+of the unpacked rows. The end of a shorter row is padding: pad ids, labels -100, positions restarting at 0 (a
+segment of its own that no conversation attends to).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -60,7 +71,7 @@ from typing import Any
 
 import datasets
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import DataCollatorWithFlattening, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from distill_kit.data.blocks import (
@@ -503,6 +514,84 @@ def left_padded_prompts(batch: Mapping[str, torch.Tensor], pad_id: int) -> Batch
     return {"input_ids": ids, "attention_mask": mask.long()}
 
 
+# ---- packing ---------------------------------------------------------------------------------------------
+
+
+def pack_lengths(lengths: Sequence[int], capacity: int, seed: int = 0) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into rows of at most ``capacity`` tokens (best-fit decreasing).
+
+    Longest first, each conversation goes into the open row it fills most tightly (least room left that still
+    holds it), else it opens a row. Equal lengths are taken in a random order fixed by ``seed``, so the result
+    depends only on the lengths and the seed. Written here by hand (transformers has no bin packing; TRL's
+    ``pack_dataset`` is not a dependency): open rows are kept by the room they have left, so a conversation finds
+    its row by bisection over at most ``capacity`` distinct room values.
+    """
+    too_long = next((i for i, n in enumerate(lengths) if n > capacity), None)
+    if too_long is not None:
+        raise ValueError(f"conversation {too_long} has {lengths[too_long]} tokens, more than a packed row's "
+                         f"{capacity} (data.block_size): the data was tokenised with another block_size")
+    permutation = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = sorted(permutation, key=lambda i: -lengths[i])  # stable: ties stay in the seeded order
+    rows: list[list[int]] = []
+    rooms: list[int] = []  # the distinct amounts of room that open rows have, sorted
+    by_room: dict[int, list[int]] = {}  # room -> the open rows with exactly that much
+    for i in order:
+        need = lengths[i]
+        at = bisect.bisect_left(rooms, need)
+        if at == len(rooms):
+            row, room = len(rows), capacity
+            rows.append([])
+        else:
+            room = rooms[at]
+            row = by_room[room].pop()
+            if not by_room[room]:
+                del by_room[room], rooms[at]
+        rows[row].append(i)
+        room -= need
+        if room:
+            if room not in by_room:
+                bisect.insort(rooms, room)
+                by_room[room] = []
+            by_room[room].append(row)
+    return rows
+
+
+def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], pad_id: int) -> Batch:
+    """``[B, L]`` ``input_ids``, ``labels`` and ``position_ids`` of rows of whole conversations (module docstring).
+
+    Each row is ``(input_ids, labels)`` of its conversations, flattened by transformers'
+    ``DataCollatorWithFlattening`` (positions restarting at 0, each conversation's first label -100); rows are
+    then right-padded to the longest, the padding being a segment of its own (positions from 0, labels -100). An
+    empty row is all padding (evaluation's filler rows, which count nothing).
+    """
+    flatten = DataCollatorWithFlattening(return_tensors="pt")
+    empty = {name: torch.zeros((1, 0), dtype=torch.long) for name in ("input_ids", "labels", "position_ids")}
+    flat = [flatten([{"input_ids": list(ids), "labels": list(labels)} for ids, labels in row]) if row else empty
+            for row in rows]
+    length = max(1, *(part["input_ids"].shape[1] for part in flat))
+    batch = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+             "labels": torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long),
+             "position_ids": torch.zeros((len(rows), length), dtype=torch.long)}
+    for i, part in enumerate(flat):
+        n = part["input_ids"].shape[1]
+        for name in batch:
+            batch[name][i, :n] = part[name][0]
+        batch["position_ids"][i, n:] = torch.arange(length - n)
+    return batch
+
+
+def packed_model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What a model's forward must get, besides ``input_ids``, for a packed batch to stay exact; ``{}`` otherwise.
+
+    transformers confines attention to each conversation from ``position_ids`` only with no 2-D attention mask and
+    no cache (``masking_utils._preprocess_mask_arguments``); a model in eval mode or under ``no_grad`` otherwise
+    builds a cache by default (``use_cache``) and then attends across conversations.
+    """
+    if "position_ids" not in batch:
+        return {}
+    return {"position_ids": batch["position_ids"], "attention_mask": None, "use_cache": False}
+
+
 class ChatLoader(EpochLoader):
     """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
 
@@ -512,21 +601,44 @@ class ChatLoader(EpochLoader):
     ``r`` takes the ``r``-th slice of each global batch, as :class:`~distill_kit.data.blocks.BlockLoader` does.
     With ``drop_last`` (training) a last partial global batch is left out of the epoch (other rows each epoch);
     without it (evaluation) it is filled with one-token rows that count nothing, so every rank still runs it.
+
+    With ``packing`` (``data.packing: true``) a row holds whole conversations, up to ``block_size`` tokens
+    (:func:`pack_lengths`, once, fixed by ``seed``), and the loader works on those rows as above: an epoch is the
+    rows in a random order fixed by ``seed`` and the epoch, rank ``r`` taking the ``r``-th slice of each global
+    batch of rows, so every rank runs ``len(self)`` micro-batches of :func:`packed_batch`.
     """
 
     def __init__(self, dataset: datasets.Dataset, micro_batch_size: int, *, pad_id: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True) -> None:
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 packing: bool = False, block_size: int | None = None) -> None:
         _check_rank(rank, world_size, micro_batch_size)
         global_batch = world_size * micro_batch_size
         if len(dataset) == 0:
             raise ValueError("the dataset has no conversations: check the data files")
-        if drop_last and len(dataset) < global_batch:
+        if packing and block_size is None:
+            raise ValueError("a packed ChatLoader needs block_size, the tokens a row holds")
+        lengths = list(dataset["length"])
+        self.packed_rows = pack_lengths(lengths, block_size, seed) if packing else None
+        rows = len(self.packed_rows) if packing else len(dataset)
+        if drop_last and rows < global_batch:
+            what = (f"{len(dataset)} conversations packed into {rows} rows of data.block_size {block_size} tokens"
+                    if packing else f"{len(dataset)} conversations")
             raise ConfigError(
-                f"the data has {len(dataset)} conversations but one global batch needs world_size ({world_size}) x "
-                f"micro_batch_size ({micro_batch_size}) = {global_batch}: use more data, a smaller micro-batch "
-                "or fewer ranks")
+                f"the data has {what} but one global batch needs world_size ({world_size}) x micro_batch_size "
+                f"({micro_batch_size}) = {global_batch} rows: use more data, a smaller micro-batch or fewer ranks"
+                + (", or a smaller data.block_size" if packing else ""))
         super().__init__(dataset, micro_batch_size, rank, world_size, seed, shuffle, drop_last)
-        self.lengths, self.pad_id = list(self.dataset["length"]), pad_id
+        self.lengths, self.pad_id, self.block_size = lengths, pad_id, block_size
+        if packing:
+            whole, rest = divmod(rows, global_batch)
+            self.num_batches = whole + (1 if rest and not drop_last else 0)
+
+    def describe_packing(self, name: str) -> str:
+        """One line for the run's log: conversations, rows, and the share of the rows' positions that are tokens."""
+        rows = len(self.packed_rows or [])
+        return (f"chat data {name}: {len(self.lengths)} conversations packed into {rows} rows of block_size "
+                f"{self.block_size}, {sum(self.lengths) / max(rows * (self.block_size or 1), 1):.1%} of their "
+                "positions real tokens")
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Row indices of ``epoch``, global batch after global batch (a partial one last).
@@ -537,6 +649,9 @@ class ChatLoader(EpochLoader):
         """
         size = self.world_size * self.micro_batch_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + (epoch if self.shuffle else 0))
+        if self.packed_rows is not None:  # packed rows: nearly all full already, so no length grouping
+            count = len(self.packed_rows)
+            return torch.randperm(count, generator=generator).tolist() if self.shuffle else list(range(count))
         order = get_length_grouped_indices(self.lengths, size, generator=generator)
         batches = [order[i : i + size] for i in range(0, len(order), size)]
         whole = [b for b in batches if len(b) == size]
@@ -545,12 +660,18 @@ class ChatLoader(EpochLoader):
         return [i for b in whole + [b for b in batches if len(b) < size] for i in b]
 
     def batch(self, epoch: int, index: int, order: Sequence[int] | None = None) -> Batch:
-        """Micro-batch ``index`` of ``epoch`` for this rank."""
+        """Micro-batch ``index`` of ``epoch`` for this rank (``order``: :meth:`epoch_order`'s, rows if packed)."""
         order = self.epoch_order(epoch) if order is None else order
         start = (index * self.world_size + self.rank) * self.micro_batch_size
         chosen = list(order[start : start + self.micro_batch_size])
-        rows = self.dataset[chosen] if chosen else {"input_ids": [], "labels": []}
         short = self.micro_batch_size - len(chosen)
+        if self.packed_rows is not None:
+            members = [self.packed_rows[row] for row in chosen]
+            rows = self.dataset[[i for row in members for i in row]] if chosen else {"input_ids": [], "labels": []}
+            pairs = iter(zip(rows["input_ids"], rows["labels"], strict=True))
+            packed = [[next(pairs) for _ in row] for row in members]
+            return packed_batch(packed + [[]] * short, self.pad_id)
+        rows = self.dataset[chosen] if chosen else {"input_ids": [], "labels": []}
         ids = list(rows["input_ids"]) + [[self.pad_id]] * short
         labels = list(rows["labels"]) + [[IGNORE_INDEX]] * short
         return pad_rows(ids, labels, self.pad_id)

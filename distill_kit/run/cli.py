@@ -187,9 +187,14 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         if config.training.on_policy.fraction < 1:
             chat.require_answers(splits, "the students' losses", ["train"])
         pad = chat.pad_id_of(tokenizer)
-        return (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed),
-                chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
-                                drop_last=False))
+        packing = {"packing": data_config.packing is True, "block_size": data_config.block_size}
+        loaders = (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed, **packing),
+                   chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
+                                   drop_last=False, **packing))
+        if packing["packing"] and distributed.is_main():
+            for name, loader in zip(("train", "heldout"), loaders, strict=True):
+                logger.info(loader.describe_packing(name))
+        return loaders
     splits = _on_main_first(lambda: blocks.build_splits(data_config, tokenizer, tokenize))
     heldout = splits.heldout
     if data_config.streaming:  # train from the stream; its held-out split (max_heldout_blocks) is read into memory

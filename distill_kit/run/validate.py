@@ -234,6 +234,18 @@ def check_data(start: Start) -> list[str]:
     return problems
 
 
+def check_packing(start: Start) -> list[str]:
+    """``data.packing: true`` packs chat conversations (data/chat.py); sampled on-policy rows are not packed yet."""
+    config = start.config
+    fraction = config.training.on_policy.fraction
+    if config.data.packing is not True or fraction == 0 or config.data.train == STDLIB_CORPUS:
+        return []
+    if chat.detect_format(config.data) != "chat":
+        return []  # text: packing joins documents into blocks, as it always has
+    return [f"data.packing: true cannot be combined with training.on_policy.fraction={fraction}: sampled rows are "
+            "not packed yet; set data.packing: false (padded rows) or training.on_policy.fraction: 0"]
+
+
 def check_checkpoint_disk(start: Start) -> list[str]:
     """The checkpoint folder can be written, and its disk has room for the checkpoints the run will keep."""
     directory = Path(start.config.training.checkpoint_dir)
@@ -523,7 +535,7 @@ def check_peft_students(start: Start) -> list[str]:
 
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
+CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data, check_packing,
                        check_data_format, check_students, check_on_policy, check_positions, check_peft_students,
                        check_deepspeed_configs, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]

@@ -39,6 +39,7 @@ from torch import nn
 
 from distill_kit.config import OnPolicyConfig
 from distill_kit.engines import distributed
+from distill_kit.errors import ConfigError
 from losses.base import IGNORE_INDEX
 
 Batch = dict[str, torch.Tensor]
@@ -46,6 +47,14 @@ FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 logger = logging.getLogger(__name__)
 
 
+
+
+def refuse_packed(batch: Mapping[str, Any], fraction: float) -> None:
+    """Sampled rows are not packed yet: a packed batch (``position_ids``, several conversations a row) cannot
+    have rows replaced by prompt + sample. ``validate`` refuses the config before any work; this guards Python use."""
+    if "position_ids" in batch:
+        raise ConfigError(f"data.packing: true cannot be combined with training.on_policy.fraction={fraction}: "
+                          "sampled rows are not packed yet; set data.packing: false (or on_policy.fraction: 0)")
 
 
 class Sampler:
@@ -63,6 +72,7 @@ class Sampler:
         """One micro-batch, its chosen rows sampled in one call."""
         if self.config.fraction == 0:
             return dict(batch)
+        refuse_packed(batch, self.config.fraction)
         rows = self.choose_rows(batch)
         prompts = [prompt_of(batch, int(row)) for row in rows]
         samples = self.generate(prompts if prompts or not self.synced else [prompt_of(batch, 0)])[:len(prompts)]
@@ -73,6 +83,8 @@ class Sampler:
         ``generation_batch_size`` rows (0: each micro-batch alone, as ``__call__``)."""
         if self.config.fraction == 0 or not self.config.generation_batch_size:
             return [self(batch) for batch in batches]
+        for batch in batches:
+            refuse_packed(batch, self.config.fraction)
         rows = [self.choose_rows(batch) for batch in batches]
         prompts = [[prompt_of(batch, int(row)) for row in chosen] for batch, chosen in zip(batches, rows, strict=True)]
         samples = iter(self.generate_batched([p for group in prompts for p in group], prompt_of(batches[0], 0)))

@@ -15,6 +15,7 @@ import deepspeed
 from torch import nn
 
 from distill_kit.config import StudentSpec, TrainingConfig
+from distill_kit.data.chat import packed_model_inputs
 from distill_kit.engines import kernels, models, peft_student
 from distill_kit.engines.build import build_student
 from distill_kit.engines.deepspeed_config import zero_stage
@@ -73,9 +74,7 @@ class Student:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
                   "output_hidden_states": self.loss.needs_hidden_states,
                   "output_attentions": self.loss.needs_attentions}
-        if "position_ids" in batch:
-            inputs["position_ids"] = batch["position_ids"]
-        return inputs
+        return inputs | packed_model_inputs(batch)  # packed chat rows: position_ids, no 2-D mask, no cache
 
     def forward(self, batch: Batch) -> Any:
         """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
