@@ -154,11 +154,14 @@ class Distiller(Trainer):
         return inputs
 
     def teacher_forward(self, batch: Batch) -> Any:
-        """One forward of every teacher, shared by every student: an output, ``{name: output}`` for several
-        teachers, or None when no student's loss reads a teacher (SFT, sequence-level KD: skipped on every rank)."""
-        if not any(student.loss.needs_teacher for student in self.students.values()):
-            return None
+        """One forward of every teacher, shared by every student: an output, or ``{name: output}`` for several."""
         return self.teachers.forward(self.teacher_inputs(batch))
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Some student's loss reads the teachers' outputs. When none does (cross-entropy alone: SFT,
+        sequence-level KD) the step skips their forward, on every rank alike."""
+        return any(student.loss.needs_teacher for student in self.students.values())
 
     def student_forward(self, batch: Batch, student: Student | None = None) -> Any:
         """``student`` (default: the only one) on the batch; fused, a ``HeadOutput`` whose logits are lazy."""
@@ -176,7 +179,7 @@ class Distiller(Trainer):
         (mutual learning at the same weights). A non-finite loss makes DeepSpeed discard that student's update;
         the loop skips the step when every student discarded it (``nonfinite.py``).
         """
-        teacher_out = self.teacher_forward(batch)
+        teacher_out = self.teacher_forward(batch) if self.needs_teacher else None
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
         losses = {}
         for name, student in self.students.items():
@@ -229,7 +232,7 @@ class Distiller(Trainer):
             engine.eval()
         try:
             return evaluation.evaluate_students(
-                forwards, lambda batch: self.teachers.mixture(self.teachers.forward(self.teacher_inputs(batch))),
+                forwards, lambda batch: self.teachers.mixture(self.teacher_forward(batch)),
                 batches, self.device, max_batches)
         finally:
             for engine in engines:

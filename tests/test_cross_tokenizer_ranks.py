@@ -6,6 +6,7 @@ import json
 
 import pytest
 from launch import ROOT, run_ranks
+from tolerances import assert_float32_equivalent
 
 pytestmark = pytest.mark.multirank
 
@@ -26,7 +27,7 @@ def test_two_ranks_match_a_plain_loop_over_the_union_of_their_data(two_ranks):
         assert result["max_param_change"] > 5e-3
         assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
     for result in two_ranks["uld_0"]:
-        assert result["max_param_diff"] < 2e-6
+        assert_float32_equivalent(result)  # the bound follows from float32 rounding on this CPU: tests/tolerances.py
     for result in two_ranks["uld_1"]:
         assert result["max_param_diff"] < 0.01 * result["max_param_change"]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from launch import ROOT, run_ranks
+from tolerances import assert_float32_equivalent
 
 from distill_kit.engines import peft_student
 from distill_kit.engines.peft_student import AdapterConfig
@@ -44,7 +45,7 @@ def test_a_zero3_lora_student_is_refused_before_anything_loads(tmp_path):
 def test_a_missing_peft_library_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now raises ImportError
     with pytest.raises(ImportError, match=r"needs the peft library: install it with `pip install peft`"):
-        AdapterConfig(r=4).to_peft()
+        peft_student.lora_config(AdapterConfig(r=4))
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,8 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
 def test_lora_student_matches_a_plain_loop_and_trains_only_the_adapters(ranks):
     """ZeRO-2 engine over 2 ranks with accumulation = torch AdamW over the adapters on the union of the batches."""
     for result in ranks["lora_trains"]:
-        assert result["adapter_change"] > 1e-3  # the adapters moved
-        assert result["adapter_diff"] < 1e-5
+        assert result["max_param_change"] > 1e-3  # the adapters moved
+        assert_float32_equivalent(result)  # the bound follows from float32 rounding on this CPU: tests/tolerances.py
         assert result["base_change"] == 0.0  # the base is frozen, bit for bit
         for got, want in zip(result["losses"], result["ref_losses"], strict=True):
             assert got == pytest.approx(want, rel=1e-5)

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, PreTrainedTokenizerFast
 
 from distill_kit.errors import ConfigError, DataError
-from distill_kit.run import cli, evaluation, report, run_config, student_tokenizer, validate
-from distill_kit.training import checkpoint
+from distill_kit.run import cli, report, run_config, student_tokenizer, validate
+from distill_kit.training import checkpoint, evaluation
 
 
 def _model_dir(path: Path, **fields) -> Path:

@@ -90,28 +90,34 @@ def main(out: Path, uld_weight: float, name: str) -> None:
     ours = gathered(distiller.student_model.parameters())
 
     # ---- the reference: one process, plain PyTorch, the union of every rank's micro-batches ----
-    student = GPT2LMHeadModel.from_pretrained(student_dir)
-    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
-    initial = [p.detach().clone() for p in student.parameters()]
-    loss = build_loss(loss_spec, vocab_map=vocab_map)
-    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                            weight_decay=TRAINING.weight_decay)
-    ref_losses = []
-    for s in range(STEPS):
-        step = all_batches[s * world * GAS:(s + 1) * world * GAS]
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in step)
-        total = 0.0
-        for b in step:
-            with torch.no_grad():
-                t_out = teacher(input_ids=b["teacher_input_ids"], attention_mask=b["teacher_attention_mask"])
-            s_out = student(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-            total = total + loss(s_out, t_out, {**b, "loss_normalizer": 1.0}).total  # a sum over the tokens
-        step_loss = total / tokens
-        opt.zero_grad()
-        step_loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), TRAINING.max_grad_norm)
-        opt.step()
-        ref_losses.append(step_loss.item())
+    def reference(dtype: torch.dtype) -> tuple[GPT2LMHeadModel, GPT2LMHeadModel, list, list[float]]:
+        """The plain loop in ``dtype`` (float64: the trajectory without float32's rounding, tests/tolerances.py)."""
+        student = GPT2LMHeadModel.from_pretrained(student_dir).to(dtype)
+        teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
+        initial = [p.detach().clone() for p in student.parameters()]
+        loss = build_loss(loss_spec, vocab_map=vocab_map).to(dtype)
+        opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
+                                weight_decay=TRAINING.weight_decay)
+        losses = []
+        for s in range(STEPS):
+            step = all_batches[s * world * GAS:(s + 1) * world * GAS]
+            tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in step)
+            total = 0.0
+            for b in step:
+                with torch.no_grad():
+                    t_out = teacher(input_ids=b["teacher_input_ids"], attention_mask=b["teacher_attention_mask"])
+                s_out = student(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                total = total + loss(s_out, t_out, {**b, "loss_normalizer": 1.0}).total  # a sum over the tokens
+            step_loss = total / tokens
+            opt.zero_grad()
+            step_loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), TRAINING.max_grad_norm)
+            opt.step()
+            losses.append(step_loss.item())
+        return student, teacher, initial, losses
+
+    student, teacher, initial, ref_losses = reference(torch.float32)
+    exact = [p.detach() for p in reference(torch.float64)[0].parameters()]
 
     def bits_per_byte(model: GPT2LMHeadModel, prefix: str) -> float:
         nll, size = 0.0, 0
@@ -131,6 +137,8 @@ def main(out: Path, uld_weight: float, name: str) -> None:
             param.copy_(trained)
     write(out, name, {
         "max_param_diff": max((a - b).abs().max().item() for a, b in zip(ours, ref_params, strict=True)),
+        "ours_vs_float64": max((a.double() - b).abs().max().item() for a, b in zip(ours, exact, strict=True)),
+        "ref_vs_float64": max((a.double() - b).abs().max().item() for a, b in zip(ref_params, exact, strict=True)),
         "max_param_change": max((a - b).abs().max().item() for a, b in zip(ours, initial, strict=True)),
         "losses": [h["loss"] for h in history], "ref_losses": ref_losses,
         "metrics": metrics,

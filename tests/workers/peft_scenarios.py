@@ -34,8 +34,8 @@ def rank_batches(all_batches: list[dict], rank: int, world: int) -> list[dict]:
     return [all_batches[(s * world + rank) * GAS + m] for s in range(STEPS) for m in range(GAS)]
 
 
-def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone().float() for n, p in model.named_parameters() if p.requires_grad}
+def adapters(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().to(dtype) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,16 +43,17 @@ def frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference(student_dir: Path, teacher_dir: Path, start: dict[str, torch.Tensor], all_batches: list[dict],
-              world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+              world: int, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch: the same LoRA model (peft) started from the engine's initial adapters; torch AdamW over the
-    adapters alone at a constant lr, clipped; the forward KL over the union of every rank's micro-batches."""
+    adapters alone at a constant lr, clipped; the forward KL over the union of every rank's micro-batches; in
+    ``dtype`` (float64: the trajectory without float32's rounding, tests/tolerances.py)."""
     model = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(student_dir),
-                                peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["c_attn", "c_fc"]))
+                                peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["c_attn", "c_fc"])).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:
                 param.copy_(start[name])
-    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
+    teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
                             weight_decay=TRAINING.weight_decay)
@@ -73,7 +74,7 @@ def reference(student_dir: Path, teacher_dir: Path, start: dict[str, torch.Tenso
         torch.nn.utils.clip_grad_norm_(trained, TRAINING.max_grad_norm)
         opt.step()
         losses.append(loss.item())
-    return adapters(model), losses
+    return adapters(model, dtype), losses
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -90,10 +91,13 @@ def lora_trains(out: Path, teacher_dir: Path, student_dir: Path) -> None:
     history = distiller.train(rank_batches(all_batches, distributed.rank(), world))
     optimizer = distiller.student.optimizer
     ref, ref_losses = reference(student_dir, teacher_dir, start, all_batches, world)
+    exact, _ = reference(student_dir, teacher_dir, start, all_batches, world, dtype=torch.float64)
     ours = adapters(distiller.student_model)
     write(out, "lora_trains", {
-        "adapter_diff": max_diff(ours, ref),
-        "adapter_change": max_diff(ours, start),
+        "max_param_diff": max_diff(ours, ref),
+        "max_param_change": max_diff(ours, start),
+        "ours_vs_float64": max((ours[k].double() - exact[k]).abs().max().item() for k in ours),
+        "ref_vs_float64": max((ref[k].double() - exact[k]).abs().max().item() for k in ours),
         "base_change": max_diff(frozen(distiller.student_model), base),
         "losses": [h["loss"] for h in history], "ref_losses": ref_losses,
         "counts": peft_student.parameter_counts(distiller.student.module),
