@@ -412,8 +412,8 @@ def specs(cls: type, entries: Sequence[Any], kind: str) -> list[Any]:
     names = [spec.name for spec in built]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ConfigError(f"{kind}s: names must differ (they name folders and log keys): {repeated} repeat; give "
-                          f"each {kind} its own name")
+        raise ConfigError(f"{kind}s: the names {repeated} are given more than once; each {kind} needs its own "
+                          "name (it names its folder, log keys and report row)")
     return built
 
 

@@ -33,16 +33,16 @@ from typing import Any
 from torch import nn
 
 from distill_kit.config import CONFIG_DIR, StudentSpec, TeacherSpec, TrainingConfig, specs
-from distill_kit.engines import distributed, kernels, models
-from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare
+from distill_kit.engines import distributed
 from distill_kit.engines.models import ModelSource
 from distill_kit.errors import ConfigError
 from distill_kit.training import evaluation, nonfinite
 from distill_kit.training.loop import Batch, Trainer
 from distill_kit.training.on_policy import Sampler
+from distill_kit.training.plan import make_plan
 from distill_kit.training.student import Student
-from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, Teachers, check_tokenizers, check_weights
-from losses import DistillationLoss, LossOutput, build_loss
+from distill_kit.training.teachers import Combine, Teachers
+from losses import DistillationLoss, LossOutput
 
 DeepSpeedConfig = str | Path | Mapping[str, Any]
 
@@ -81,41 +81,21 @@ class Distiller(Trainer):
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         super().__init__(training)
-        check_run_shape(student_specs, teacher_specs, self.training, vocab_map)
-        # Everything that needs no weights first: facts, losses, every engine's config (one error for all).
-        student_facts = {s.name: models.facts(s.model) for s in student_specs}
-        teacher_facts = {t.name: models.facts(t.model) for t in teacher_specs}
-        losses = {s.name: student_loss(s, student_facts[s.name], teacher_specs, teacher_facts, combine, vocab_map)
-                  for s in student_specs}
-        if not teacher_specs:
-            needing = sorted(name for name, loss in losses.items() if loss.needs_teacher)
-            if needing:
-                raise ConfigError(f"students {needing}: their losses read a teacher's outputs, and this run has no "
-                                  "teacher: use cross_entropy, mutual_kl or a weighted sum of them, or add a teacher")
         keyed = student is not None  # the one-line case: records "loss", checkpoint folder "deepspeed"
-        student_configs, teacher_configs = prepare(
-            {_label("student", s.name, keyed): TrainedConfig(
-                s.ds_config or student_ds_config, s.training(self.training), student_facts[s.name]["hidden_size"],
-                {**(student_ds_overrides or {}), **s.ds_overrides}) for s in student_specs},
-            {_label("teacher", t.name, len(teacher_specs) == 1): FrozenConfig(
-                t.ds_config or teacher_ds_config, teacher_facts[t.name]["hidden_size"],
-                {**(teacher_ds_overrides or {}), **t.ds_overrides}) for t in teacher_specs},
-            world_size=distributed.world_size())
-        for kind, spec_list in (("teacher", teacher_specs), ("student", student_specs)):
-            for spec in spec_list:
-                kernels.check_model_type(getattr(self.training, f"{kind}_kernels"), models.model_type(spec.model),
-                                         f"training.{kind}_kernels ({kind} {spec.name!r})")
-        self.teachers = Teachers(
-            teacher_specs, {t.name: c for t, c in zip(teacher_specs, teacher_configs.values(), strict=True)},
-            self.training, self.device, need_attentions=any(loss.needs_attentions for loss in losses.values()))
+        self.plan = make_plan(student_specs, teacher_specs, training=self.training, combine=combine,
+                              world_size=distributed.world_size(), student_ds_config=student_ds_config,
+                              teacher_ds_config=teacher_ds_config, student_ds_overrides=student_ds_overrides,
+                              teacher_ds_overrides=teacher_ds_overrides, vocab_map=vocab_map, alone=keyed)
+        """What every engine is built from (``training/plan.py``), checked before anything loads."""
+        self.teachers = Teachers(teacher_specs, self.plan.teacher_ds_configs, self.training, self.device,
+                                 need_attentions=self.plan.need_attentions)
         self.teacher = self.teachers.first
         """The first teacher's engine (None without one); ``self.teachers`` holds them all."""
-        teacher_vocab = (None if vocab_map is not None or not teacher_specs else
-                         getattr(models.model_config(teacher_specs[0].model), "vocab_size", None))
         self.students: dict[str, Student] = {
-            s.name: Student(s, "" if keyed else s.name, losses[s.name], config, s.training(self.training),
-                            teacher_vocab_size=teacher_vocab, main=distributed.is_main())
-            for s, config in zip(student_specs, student_configs.values(), strict=True)}
+            s.name: Student(s, "" if keyed else s.name, self.plan.losses[s.name], self.plan.student_ds_configs[s.name],
+                            s.training(self.training), adapters=self.plan.adapters.get(s.name),
+                            main=distributed.is_main())
+            for s in student_specs}
         self._hooks_take_student = {hook: "student" in inspect.signature(getattr(self, hook)).parameters
                                     for hook in ("student_forward", "compute_loss")}
         if len(self.students) > 1 and not all(self._hooks_take_student.values()):
@@ -301,56 +281,7 @@ def _the_specs(student: ModelSource | None, teacher: ModelSource | None, student
         teacher_specs = [TeacherSpec(name="teacher", model=teacher)]
     else:
         teacher_specs = specs(TeacherSpec, teachers or [], "teacher")
-    if not student_specs:
-        raise ConfigError("no students: give at least one, e.g. students=[StudentSpec(name='small', model=...)]")
-    missing = [s.name for s in student_specs if s.model is None]
-    if missing:
-        raise ConfigError(f"students {missing} have no model: give each a model (a directory, a hub name or an "
-                          "nn.Module); a run config's init / init_from_teacher students are built by the CLI")
     return student_specs, teacher_specs
-
-
-def check_run_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec], training: TrainingConfig,
-                    vocab_map: Any) -> None:
-    """The shapes this class refuses, before anything loads, each with its fix."""
-    check_weights(teachers)
-    fraction = training.on_policy.fraction
-    if fraction > 0 and len(students) > 1:
-        raise ConfigError(
-            f"training.on_policy.fraction={fraction} with {len(students)} students: each student would sample its "
-            "own completions, so they could not share batches or the teachers' forward. Distil them in separate "
-            "runs, or set training.on_policy.fraction: 0")
-    if fraction > 0 and training.on_policy.sampler == "teacher" and not teachers:
-        raise ConfigError("training.on_policy.sampler: teacher, and this run has no teacher: use sampler: student")
-    if len(teachers) > 1:
-        if vocab_map is not None:
-            raise ConfigError("several teachers across tokenizers is not supported: every teacher must use the "
-                              "student's tokenizer (drop student_tokenizer, or keep one teacher)")
-        check_tokenizers(students[0].model, teachers)
-
-
-def student_loss(spec: StudentSpec, facts: Mapping[str, Any], teachers: Sequence[TeacherSpec],
-                 teacher_facts: Mapping[str, Mapping[str, Any]], combine: Combine, vocab_map: Any) -> DistillationLoss:
-    """A student's loss, sized by its facts and its teacher's: one loss per teacher combined by
-    :class:`TeacherEnsembleLoss` when there are several, the plain loss for one teacher or none."""
-    def built(teacher: TeacherSpec | None) -> DistillationLoss:
-        sized = {f"student_{k}": v for k, v in facts.items()}
-        if teacher is not None:
-            sized |= {f"teacher_{k}": v for k, v in teacher_facts[teacher.name].items()}
-        try:
-            return build_loss(spec.loss, **sized, vocab_map=vocab_map)
-        except (KeyError, TypeError, ValueError) as err:
-            message = err.args[0] if isinstance(err, KeyError) and err.args else err
-            raise ConfigError(f"student {spec.name!r}: loss {spec.loss!r}: {message}") from None
-
-    if len(teachers) <= 1:
-        return built(teachers[0] if teachers else None)
-    return TeacherEnsembleLoss({t.name: built(t) for t in teachers}, {t.name: t.weight for t in teachers}, combine)
-
-
-def _label(kind: str, name: str, alone: bool) -> str:
-    """How DeepSpeed config messages name a model: ``student``, or ``student 'small'`` in a group."""
-    return kind if alone else f"{kind} {name!r}"
 
 
 def _detached(output: Any) -> Any:

@@ -61,9 +61,10 @@ class CrossTokenizer(DistillationLoss):
         super().__init__()
         if vocab_map is None:
             raise ValueError(
-                "cross_tokenizer needs the map between the two vocabularies: a run config builds it from the student's "
-                "tokenizer (students[].tokenizer) and the teacher's; from Python pass Distiller(..., vocab_map="
-                "VocabMap.build(student_tokenizer, teacher_tokenizer)) or {name: cross_tokenizer, vocab_map: path.json}"
+                "cross_tokenizer distils across two tokenizers, and no map between their vocabularies was given: in a "
+                "run config set student_tokenizer (the students' own tokenizer; the run builds the map), or use a "
+                "loss of one vocabulary such as forward_kl; from Python pass Distiller(..., vocab_map=VocabMap.build("
+                "student_tokenizer, teacher_tokenizer)) or {name: cross_tokenizer, vocab_map: path.json}"
             )
         if isinstance(vocab_map, str | Path):
             from distill_kit.data.alignment import VocabMap  # the map is a data artefact; only its path is here

@@ -135,7 +135,7 @@ def test_report_and_checkpoints_record_every_teacher(runs, tiny):
      "and teachers are both given: a run has one teacher (teacher:) or several (teachers:); drop teacher:"),
     (lambda t: ["--teachers", "[]"], "teachers: no teachers: give at least one"),
     (lambda t: ["--teachers", f"[{{name: a, model: {t['a']}}}, {{name: a, model: {t['b']}}}]"],
-     "teachers: names must differ (they name folders and log keys): ['a'] repeat"),
+     "teachers: the names ['a'] are given more than once"),
     (lambda t: _teachers(t, (1.0, -0.5)), "teacher 'b': weight must be a finite number >= 0, got -0.5"),
     (lambda t: _teachers(t, (0.0, 0.0)), "teachers: every teacher has weight 0: give at least one a weight > 0"),
     (lambda t: ["--teachers", f"[{{name: a, model: {t['a']}}}, {{name: o, model: {t['other']}}}]"],

@@ -57,7 +57,7 @@ def test_teacher_entries_are_checked_before_anything_loads():
         teacher_specs([{"name": "a", "model": "x", "wieght": 1.0}])
     with pytest.raises(ValueError, match=r"every teacher has weight 0"):
         check_weights(teacher_specs([{"name": "a", "model": "x", "weight": 0.0}]))
-    with pytest.raises(ValueError, match=r"names must differ .*\['a'\] repeat"):
+    with pytest.raises(ValueError, match=r"the names \['a'\] are given more than once"):
         teacher_specs([{"name": "a", "model": "x"}, {"name": "a", "model": "y"}])
     with pytest.raises(ValueError, match=r"weight must be a finite number >= 0"):
         teacher_specs([{"name": "a", "model": "x", "weight": -1.0}])

@@ -63,13 +63,14 @@ def test_rows_longer_than_a_models_positions_are_refused_naming_the_model_and_th
     ("[{name: s, init: {n_layer: 1}, loss: [{name: cross_entropy, weight: 1}, {name: jsd, weight: 1}]}]",
      "students[s].loss: unknown loss 'jsd'"),
     ("[{name: s, init: {n_layer: 1}, loss: [{name: cross_entropy, weight: 1}, {name: cross_tokenizer, weight: 1}]}]",
-     "students[s].loss: cross_tokenizer distils across two tokenizers, and student_tokenizer is not set"),
+     "students[s].loss: cross_tokenizer distils across two tokenizers, and no map between their vocabularies"),
     ("[{name: a, init: {n_layer: 1}}, {name: b, init: {n_layer: 1}}, {name: a, init: {n_embd: 8}}]",
      "students: the names ['a'] are given more than once"),
 ])
 def test_student_and_loss_mistakes_are_found_up_front(setup, students, message):
-    problems = validate.check_students(_start(setup, "--students", students))
-    assert len(problems) == 1 and problems[0].startswith(message)
+    start = _start(setup, "--students", students)
+    problems = validate.check_students(start) + validate.check_plan(start)
+    assert len(problems) == 1 and problems[0].startswith(message), problems
 
 
 def test_on_policy_rules(setup):

@@ -308,6 +308,7 @@ def prepare(
     frozen: Mapping[str, FrozenConfig],
     *,
     world_size: int,
+    labels: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Every trained model's engine config and every frozen teacher's, by the same keys.
 
@@ -316,12 +317,13 @@ def prepare(
     models in the messages (``"student"`` gives "student DeepSpeed config: ..."). A teacher is never trained, but
     DeepSpeed still refuses an engine without ``train_micro_batch_size_per_gpu``, so it takes the run's batch keys
     (a value of its own is replaced, with a warning: a frozen engine never uses it); its precision must be the
-    run's, like every trained model's.
+    run's, like every trained model's. ``labels`` names a key's model in the messages instead of the key.
     """
+    labels = labels or {}
     configs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     for label, request in trained.items():
-        name = f"{label} DeepSpeed config"
+        name = f"{labels.get(label, label)} DeepSpeed config"
         config, found = resolve(load(request.source), request.training, hidden_size=request.hidden_size,
                                 world_size=world_size, name=name, overrides=request.overrides)
         if "optimizer" not in config:
@@ -337,7 +339,7 @@ def prepare(
     teachers: dict[str, dict[str, Any]] = {}
     training = next(iter(trained.values())).training if trained else None
     for label, request in frozen.items():
-        name = f"{label} DeepSpeed config"
+        name = f"{labels.get(label, label)} DeepSpeed config"
         config, found = resolve(load(request.source), training, hidden_size=request.hidden_size,
                                 world_size=world_size, name=name, overrides=request.overrides)
         _teacher_takes_run_batch(config, training, world_size, name)

@@ -47,6 +47,8 @@ def model_config(source: ModelSource) -> PretrainedConfig | None:
     """The model's config without loading weights (needed to fill ZeRO bucket sizes before loading)."""
     if isinstance(source, nn.Module):
         return getattr(source, "config", None)
+    if isinstance(source, PretrainedConfig):  # a plan made before the model exists (run/validate.py)
+        return source
     try:
         return AutoConfig.from_pretrained(source)
     except OSError as err:

@@ -27,14 +27,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from distill_kit.config import StudentSpec, TeacherSpec
 from distill_kit.config import specs as config_specs
 from distill_kit.data import blocks, chat
-from distill_kit.engines import deepspeed_config, distributed, peft_student
+from distill_kit.engines import deepspeed_config, distributed
 from distill_kit.errors import ConfigError
 from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 from distill_kit.training.on_policy import positions as on_policy_positions
-from losses import build_loss
+from distill_kit.training.plan import make_plan
 from losses import registry as loss_registry
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -204,19 +204,24 @@ def check_cuts(start: Start) -> list[str]:
     return problems
 
 
-def check_deepspeed_configs(start: Start) -> list[str]:
-    """Every student's DeepSpeed config and the teacher's, filled and checked together as the engines will be."""
+def check_plan(start: Start) -> list[str]:
+    """The run's plan (``training/plan.py``), made from the models' configs exactly as the Distiller makes it from
+    their folders: each student's loss, every engine's DeepSpeed config (all problems at once), the run's shape,
+    kernels, vocabularies, LoRA. Models that cannot be read are ``check_models``' and ``check_student_init``'s."""
     config = start.config
-    teacher = start.model_config("teacher", config.teacher)
     students = start.students()
-    if teacher is None or any(c is None for c in students.values()):
-        return []
-    trained = _trained_configs(config, students)
+    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
+    teacher_configs = {t.name: start.model_config(f"teachers[{t.name}]", t.model) for t in teachers}
+    if any(c is None for c in [*students.values(), *teacher_configs.values()]) or config.student_tokenizer:
+        return []  # across tokenizers the losses need the vocabulary map: student_tokenizer.config_problems
     try:
-        deepspeed_config.prepare_group(trained, config.teacher_ds_config, teacher_hidden_size=_hidden_size(teacher),
-                                       world_size=distributed.world_size(),
-                                       teacher_overrides=config.teacher_ds_overrides)
-    except (deepspeed_config.DeepSpeedConfigError, ValueError, TypeError) as err:
+        make_plan([dataclasses.replace(s, model=students[s.name], init={}, init_from_teacher=None)
+                   for s in config.students],
+                  [dataclasses.replace(t, model=teacher_configs[t.name]) for t in teachers],
+                  training=config.training, combine=config.combine, world_size=distributed.world_size(),
+                  student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
+                  student_ds_overrides=config.student_ds_overrides, teacher_ds_overrides=config.teacher_ds_overrides)
+    except (ConfigError, deepspeed_config.DeepSpeedConfigError, ValueError, TypeError) as err:
         return [str(err)]
     return []
 
@@ -279,15 +284,6 @@ def _free_bytes(path: Path) -> int:
     return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
 
 
-def _trained_configs(config: RunConfig, students: dict[str, PretrainedConfig | None]) -> dict[str, Any]:
-    """Each student's DeepSpeed config as its engine will get it: its own or the run's, its lr, its overrides."""
-    return {f"student {s.name!r}": deepspeed_config.TrainedConfig(
-        s.ds_config or config.student_ds_config,
-        config.training if s.lr is None else dataclasses.replace(config.training, lr=s.lr),
-        _hidden_size(students[s.name]) if students[s.name] is not None else None,
-        {**config.student_ds_overrides, **s.ds_overrides}) for s in config.students}
-
-
 def _hidden_size(config: PretrainedConfig) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
@@ -309,19 +305,6 @@ def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None
     except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
         return None
 
-def check_peft(start: Start) -> list[str]:
-    """A student with ``peft`` adapters: the library is installed and the student's ZeRO stage is 0-2."""
-    config, problems = start.config, []
-    for student in config.students:
-        if student.peft is not None:
-            try:
-                peft_student.preflight(student.peft, student.ds_config or config.student_ds_config,
-                                       {**config.student_ds_overrides, **student.ds_overrides})
-            except (ImportError, ValueError) as err:
-                problems.append(f"students[{student.name}].peft: {err}")
-    return problems
-
-
 def check_trackers(start: Start) -> list[str]:
     """Every tracker in ``report_to`` is known and installed."""
     try:
@@ -335,40 +318,18 @@ def check_trackers(start: Start) -> list[str]:
 
 
 def check_students(start: Start) -> list[str]:
-    """Student names differ; each student's loss names known losses with parameters they take (built as the run
-    builds it, from the models' sizes); cross_tokenizer comes with student_tokenizer."""
+    """Across tokenizers (``student_tokenizer``), where the plan cannot build the losses before the vocabulary map
+    exists: each cross_tokenizer term's parameters are ones it takes. Every other loss is ``check_plan``'s."""
     config, problems = start.config, []
-    names = [s.name for s in config.students]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        problems.append(f"students: the names {repeated} are given more than once; each student needs its own name "
-                        "(it names its folder, log keys and report row)")
-    teacher = start.model_config("teacher", config.teacher)
-    students = start.students()
+    if config.student_tokenizer is None:
+        return []
     for student in config.students:
-        where = f"students[{student.name}].loss"
         try:
-            names_used = _loss_names(student.loss)
-            classes = {name: loss_registry.resolve(name) for name in names_used}
+            for name, params in _loss_entries(student.loss):
+                if name == "cross_tokenizer":
+                    inspect.signature(loss_registry.resolve(name).__init__).bind_partial(None, **params)
         except (ValueError, TypeError) as err:
-            problems.append(f"{where}: {err}")
-            continue
-        if "cross_tokenizer" in names_used and config.student_tokenizer is None:
-            problems.append(f"{where}: cross_tokenizer distils across two tokenizers, and student_tokenizer is not "
-                            "set: set student_tokenizer (the students' own tokenizer), or use a loss of one vocabulary "
-                            "such as forward_kl")
-            continue
-        try:
-            if "cross_tokenizer" in names_used:  # needs the vocabulary map, built later: check its parameters' names
-                for name, params in _loss_entries(student.loss):
-                    inspect.signature(classes[name].__init__).bind_partial(None, **params)
-            else:
-                own = students[student.name]
-                facts = {f"student_{k}": v for k, v in (_facts(own) if own is not None else {}).items()}
-                facts |= {f"teacher_{k}": v for k, v in (_facts(teacher) if teacher is not None else {}).items()}
-                build_loss(student.loss, **facts)
-        except (ValueError, TypeError) as err:
-            problems.append(f"{where}: {err}")
+            problems.append(f"students[{student.name}].loss: {err}")
     return problems
 
 
@@ -389,10 +350,6 @@ def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
             entries.append((name, {k: v for k, v in params.items() if k not in ("weight", "label")}))
         return entries
     raise ValueError(f"expected a loss name, {{name: ..., params}} or a list of them, got {spec!r}")
-
-
-def _loss_names(spec: Any) -> list[str]:
-    return [name for name, _ in _loss_entries(spec)]
 
 
 def check_on_policy(start: Start) -> list[str]:
@@ -537,8 +494,8 @@ def check_peft_students(start: Start) -> list[str]:
 Check = Callable[[Start], list[str]]
 CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data, check_packing,
                        check_data_format, check_students, check_on_policy, check_positions, check_peft_students,
-                       check_deepspeed_configs, check_checkpoint_disk,
-                       lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]
+                       check_plan, check_checkpoint_disk,
+                       lambda start: student_tokenizer.config_problems(start.config), check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
@@ -580,28 +537,6 @@ def check_teachers(config: RunConfig) -> list[str]:
     if problems:
         return problems
     problems += _teacher_tokenizers(config)
-    lead = run_config.lead_teacher(config)
-    students = Start(lead, False, {}).students()
-    trained = _trained_configs(config, students)
-    configs = {t.name: _read_config(t.model) for t in config.teachers}
-    for teacher in config.teachers:
-        if configs[teacher.name] is None:
-            continue
-        try:
-            deepspeed_config.prepare_group(
-                trained, teacher.ds_config or config.teacher_ds_config,
-                teacher_hidden_size=_hidden_size(configs[teacher.name]), world_size=distributed.world_size(),
-                teacher_overrides={**config.teacher_ds_overrides, **teacher.ds_overrides})
-        except (deepspeed_config.DeepSpeedConfigError, ValueError, TypeError) as err:
-            problems.append(f"teachers[{teacher.name}]: {err}")
-    student, first = config.students[0], configs[specs[0].name]
-    if config.combine == "mixture" and students[student.name] is not None and first is not None:
-        try:
-            multi_teacher.mixture_temperature(build_loss(
-                student.loss, **{f"student_{k}": v for k, v in _facts(students[student.name]).items()},
-                **{f"teacher_{k}": v for k, v in _facts(first).items()}))
-        except (ValueError, TypeError) as err:
-            problems.append(f"students[{student.name}].loss with combine: mixture: {err}")
     return problems
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig
-from distill_kit.engines import kernels, models
-from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare
+from distill_kit.engines import kernels, models, peft_student
+from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, check_tokenizers, check_weights
 from losses import DistillationLoss, build_loss
@@ -38,6 +38,8 @@ class Plan:
     """Each teacher's, by teacher name."""
     teacher_vocab_size: int | None
     """The first teacher's vocabulary, which no student's may exceed (None across tokenizers or without one)."""
+    adapters: dict[str, Any]
+    """Each LoRA student's ``peft.PeftConfig``, by name (``engines/peft_student.py``)."""
 
     @property
     def need_attentions(self) -> bool:
@@ -89,16 +91,26 @@ def make_plan(
                                      f"training.{kind}_kernels ({kind} {spec.name!r})")
     teacher_vocab = (None if vocab_map is not None or not teachers else
                      getattr(models.model_config(teachers[0].model), "vocab_size", None))
+    adapters = {}
     for spec in students:
-        student_vocab = getattr(models.model_config(spec.model), "vocab_size", None)
-        if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
-            raise ConfigError(
-                f"student {spec.name!r}: its vocabulary ({student_vocab}) is larger than the teacher's "
-                f"({teacher_vocab}): they cannot share a tokenizer. Build the student with the teacher's tokenizer "
-                "and vocab_size, or, to distil across tokenizers, use loss cross_tokenizer with paired blocks and "
-                "Distiller(..., vocab_map=VocabMap.build(student_tokenizer, teacher_tokenizer)) (a run config: "
-                "student_tokenizer).")
-    return Plan(list(students), list(teachers), training, losses, student_configs, teacher_configs, teacher_vocab)
+        check_vocabulary(getattr(models.model_config(spec.model), "vocab_size", None), teacher_vocab, spec.name)
+        if spec.peft is not None:
+            try:
+                adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_configs[spec.name]))
+            except (ImportError, TypeError, ValueError) as err:
+                raise ConfigError(f"students[{spec.name}].peft: {err}") from None
+    return Plan(list(students), list(teachers), training, losses, student_configs, teacher_configs, teacher_vocab,
+                adapters)
+
+
+def check_vocabulary(student_vocab: int | None, teacher_vocab: int | None, name: str) -> None:
+    """A teacher vocabulary padded past the student's is cut by the losses; a larger student one is an error."""
+    if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
+        raise ConfigError(
+            f"student {name!r}: its vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): "
+            "they cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to "
+            "distil across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map="
+            "VocabMap.build(student_tokenizer, teacher_tokenizer)) (a run config: student_tokenizer).")
 
 
 def check_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec], training: TrainingConfig,
@@ -106,6 +118,12 @@ def check_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec]
     """The shapes a run cannot have, each with its fix."""
     if not students:
         raise ConfigError("no students: give at least one, e.g. students=[StudentSpec(name='small', model=...)]")
+    for kind, specs in (("student", students), ("teacher", teachers)):
+        names = [spec.name for spec in specs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"{kind}s: the names {repeated} are given more than once; each {kind} needs its own "
+                              "name (it names its folder, log keys and report row)")
     missing = [s.name for s in students if s.model is None]
     if missing:
         raise ConfigError(f"students {missing} have no model: give each a model (a directory, a hub name or an "

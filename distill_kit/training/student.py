@@ -18,9 +18,7 @@ from distill_kit.config import StudentSpec, TrainingConfig
 from distill_kit.data.chat import packed_model_inputs
 from distill_kit.engines import kernels, models, peft_student
 from distill_kit.engines.build import build_student
-from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.head import why_not_fused
-from distill_kit.errors import ConfigError
 from distill_kit.training.export import export_student
 from distill_kit.training.on_policy import student_kernels
 from losses import DistillationLoss
@@ -39,21 +37,15 @@ class Student:
     """
 
     def __init__(self, spec: StudentSpec, key: str, loss: DistillationLoss, ds_config: Mapping[str, Any],
-                 training: TrainingConfig, *, teacher_vocab_size: int | None = None, main: bool = True):
+                 training: TrainingConfig, *, adapters: Any = None, main: bool = True):
+        """``adapters``: the ``peft.PeftConfig`` of a LoRA student (the plan's), trained on its frozen base."""
         self.spec, self.key, self.name, self.loss = spec, key, spec.name, loss
         self.ds_config = ds_config
         """The DeepSpeed config its engine was given (every "auto" filled from the run)."""
         self.training = training
-        adapters = None
-        if spec.peft is not None:
-            try:
-                adapters = peft_student.check(spec.peft, zero_stage(ds_config))
-            except ValueError as err:
-                raise ConfigError(f"student {spec.name!r}: peft: {err}") from None
         self.export_merged = peft_student.wants_merged_export(spec.peft)
         model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions)
         kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels")
-        check_vocabulary(model, teacher_vocab_size, spec.name)
         if adapters is not None:
             model = peft_student.wrap(model, adapters)
         self.engine: deepspeed.DeepSpeedEngine = build_student(model, loss, ds_config, training)
@@ -84,14 +76,3 @@ class Student:
         """A Hugging Face model directory (a PEFT student's: its adapter folder, and ``merged`` on request)."""
         return export_student(self.model, directory, tokenizer, merged=self.export_merged)
 
-
-def check_vocabulary(model: nn.Module, teacher_vocab_size: int | None, name: str) -> None:
-    """A teacher vocabulary padded past the student's is cut by the losses; a larger student one is an error."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab and teacher_vocab_size and vocab > teacher_vocab_size:
-        raise ConfigError(
-            f"student {name!r}: its vocabulary ({vocab}) is larger than the teacher's ({teacher_vocab_size}): they "
-            "cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to distil "
-            "across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map=VocabMap."
-            "build(student_tokenizer, teacher_tokenizer)) (a run config: student_tokenizer)."
-        )

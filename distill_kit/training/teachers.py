@@ -125,7 +125,7 @@ def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None
     from transformers import AutoTokenizer
 
     found = [(name, source) for name, source in [("student", student), *((s.name, s.model) for s in specs)]
-             if not isinstance(source, nn.Module) and (Path(source) / "tokenizer_config.json").is_file()]
+             if isinstance(source, str | Path) and (Path(source) / "tokenizer_config.json").is_file()]
     vocabularies = {name: AutoTokenizer.from_pretrained(source).get_vocab() for name, source in found}
     sizes = {name: models.model_config(source).vocab_size for name, source in
              [("student", student), *((s.name, s.model) for s in specs)]
