@@ -8,6 +8,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import torch.nn.functional as F
 from tiny_models import gpt2_config, save_pair
 from transformers import GPT2LMHeadModel
 
@@ -53,3 +54,25 @@ def saved_model(out: Path, name: str, seed: int, width: int, layers: int) -> Pat
         GPT2LMHeadModel(gpt2_config(width=width, layers=layers)).save_pretrained(path)
     distributed.barrier()
     return path
+
+
+def plain_kl(student: torch.nn.Module, teacher: torch.nn.Module, batch: dict, reverse: bool = False) -> tuple:
+    """The plain-PyTorch references' loss of one micro-batch: KL(teacher || student) (``reverse``: KL(student ||
+    teacher)) summed over its counted next tokens, and how many there are; written out, not through losses/."""
+    s_logp = F.log_softmax(student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                           .logits[:, :-1], -1)
+    with torch.no_grad():
+        t_logp = F.log_softmax(teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                               .logits[:, :-1], -1)
+    p, log_p, log_q = (s_logp.exp(), s_logp, t_logp) if reverse else (t_logp.exp(), t_logp, s_logp)
+    valid = batch["labels"][:, 1:] != -100
+    return ((p * (log_p - log_q)).sum(-1) * valid).sum(), int(valid.sum())
+
+
+def plain_step(opt: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float) -> float:
+    """One optimizer step of a plain-PyTorch reference: backward, clip the global norm, step; the loss's value."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], max_grad_norm)
+    opt.step()
+    return loss.item()

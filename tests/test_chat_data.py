@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launch import ROOT, run_ranks
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from tiny_models import save_cli_teacher
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
@@ -348,11 +349,7 @@ def tiny_chat(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
     _write_jsonl(root / "train.jsonl", [record(i) for i in range(40)] + [{"prompt": "What is 1+1?"}])
     _write_jsonl(root / "heldout.jsonl", [record(i) for i in range(40, 47)])
-    teacher = root / "teacher"
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=48, n_layer=2, n_head=4, n_positions=64,
-                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
+    teacher = save_cli_teacher(root / "teacher", tokenizer)
     return {"root": root, "teacher": teacher}
 
 

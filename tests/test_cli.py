@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launch import ROOT, clean_environment, run_ranks
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from tiny_models import save_cli_teacher
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.data import blocks
 from distill_kit.data.tokenizer import train_tokenizer
@@ -45,11 +46,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     texts = write_texts(root)
     tokenizer = train_tokenizer(texts, vocab_size=300)
-    teacher = root / "teacher"
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=48, n_layer=2, n_head=4, n_positions=64,
-                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).save_pretrained(teacher)
-    tokenizer.save_pretrained(teacher)
+    teacher = save_cli_teacher(root / "teacher", tokenizer)
     return {"root": root, "teacher": teacher}
 
 

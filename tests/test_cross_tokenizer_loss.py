@@ -145,7 +145,7 @@ def test_composes_with_cross_entropy_and_takes_the_map_as_a_model_fact():
 
 
 def test_bad_wiring_names_the_fix():
-    with pytest.raises(ValueError, match="students\\[\\].tokenizer"):
+    with pytest.raises(ValueError, match="in a run config set student_tokenizer"):
         CrossTokenizer()
     batch = {k: v for k, v in hand_batch().items() if not k.startswith("align")}
     with pytest.raises(ValueError, match="paired blocks"):

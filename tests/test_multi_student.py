@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+import rank_results
 from launch import ROOT, run_ranks
 
 WORKER = ROOT / "tests/workers/multi_scenarios.py"
@@ -16,8 +16,7 @@ pytestmark = pytest.mark.multirank
 def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out: Path = tmp_path_factory.mktemp("multi")
     run_ranks(WORKER, [str(out)], nprocs=2, timeout=240)
-    names = {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)] for name in names}
+    return rank_results.read(out, 2)
 
 
 def test_students_of_one_teacher_match_separate_runs(ranks):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+import rank_results
 import torch
 from launch import ROOT, run_ranks
 from tiny_models import gpt2_config
@@ -93,8 +93,7 @@ def test_mixture_refuses_hidden_state_losses(tmp_path):
 def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out: Path = tmp_path_factory.mktemp("teachers")
     run_ranks(WORKER, [str(out)], nprocs=2, timeout=300)
-    names = {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)] for name in names}
+    return rank_results.read(out, 2)
 
 
 @pytest.mark.multirank

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
+import rank_results
 from launch import ROOT, run_ranks
 from tolerances import assert_float32_equivalent
 
@@ -52,8 +52,7 @@ def test_a_missing_peft_library_says_how_to_install_it(monkeypatch):
 def ranks(tmp_path_factory) -> dict[str, list[dict]]:
     out: Path = tmp_path_factory.mktemp("peft")
     run_ranks(WORKER, [str(out)], nprocs=2, timeout=300)
-    names = {p.name.split(".rank")[0] for p in out.glob("*.rank*.json")}
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)] for name in names}
+    return rank_results.read(out, 2)
 
 
 @multirank

@@ -220,7 +220,7 @@ def _reseal(path: Path, **manifest_changes) -> None:
     """Recompute a checkpoint's manifest over its files, as someone handing over a crafted directory would."""
     manifest = json.loads((path / "manifest.json").read_text()) | manifest_changes
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
-    manifest["files"] = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+    manifest["files"] = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": checkpoint.file_sha256(p)}
                          for p in files}
     (path / "manifest.json").write_text(json.dumps(manifest))
 

@@ -60,3 +60,12 @@ def qwen2_config(**overrides):
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return Qwen2Config(**(values | overrides))
+
+
+def save_cli_teacher(directory: Path, tokenizer) -> Path:
+    """The CLI tests' teacher: a seeded 2-layer GPT-2 over ``tokenizer``, without dropout, saved with it."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=48, n_layer=2, n_head=4, n_positions=64,
+                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

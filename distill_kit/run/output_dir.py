@@ -22,7 +22,6 @@ This is the CLI's concern, not the checkpoints': ``training/checkpoint.py`` writ
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from distill_kit.errors import ConfigError
+from distill_kit.training import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def check(directory: str | Path, run_identity: Mapping[str, Any], *, resume: boo
                 shutil.rmtree(derived)
             elif derived.exists():
                 derived.unlink()
-        _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))
+        checkpoint.write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))
         return
     if resume:
         raise ConfigError(
@@ -205,27 +205,10 @@ def check(directory: str | Path, run_identity: Mapping[str, Any], *, resume: boo
     if not record:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    checkpoint.write_atomic(path, json.dumps(identity, indent=1, sort_keys=True))
 
 
 # ---- the data -------------------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def data_fingerprint(splits: Mapping[str, str | Sequence[str] | None]) -> dict[str, dict[str, str]]:
@@ -237,12 +220,12 @@ def data_fingerprint(splits: Mapping[str, str | Sequence[str] | None]) -> dict[s
         paths = [files] if isinstance(files, str) else list(files or [])
         local = [Path(p) for p in paths if Path(p).is_file()]
         if local:
-            prints[key] = {str(p): _sha256(p) for p in local}
+            prints[key] = {str(p): checkpoint.file_sha256(p) for p in local}
     return prints
 
 
 def record_data(directory: str | Path, fingerprint: Mapping[str, Any]) -> None:
-    _write_atomic(Path(directory) / DATA_FINGERPRINT, json.dumps(fingerprint, indent=1, sort_keys=True))
+    checkpoint.write_atomic(Path(directory) / DATA_FINGERPRINT, json.dumps(fingerprint, indent=1, sort_keys=True))
 
 
 def data_changes(directory: str | Path, fingerprint: Mapping[str, Mapping[str, str]]) -> list[str]:

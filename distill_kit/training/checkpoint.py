@@ -109,7 +109,7 @@ def _step_of(path: Path) -> int | None:
     return int(suffix) if path.name.startswith(PREFIX) and suffix.isdigit() else None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(HASH_CHUNK):
@@ -117,7 +117,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write-then-rename, flushed to disk: a reader sees the whole file or none."""
     temporary = path.with_name(path.name + ".tmp")
     with temporary.open("w") as handle:
@@ -284,9 +284,10 @@ def save(
         manifest = {
             "format": FORMAT, "step": step, "world_size": distributed.world_size(), "teacher_sha256": teacher_sha256,
             "models": sorted(engines), **({"frozen_base_sha256": frozen} if frozen else {}),
-            "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+            "files": {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                      for p in files},
         }
-        _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
+        write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1))
         os.replace(partial, final)
         _fsync_dir(directory)
         _VERIFIED[str(final)] = _signature(final, manifest["files"])  # just hashed: no need to hash it again
@@ -395,7 +396,7 @@ def verify(path: str | Path) -> str | None:
     if _VERIFIED.get(str(path)) == signature:
         return None
     for relative, expected in files.items():
-        if _sha256(path / relative) != expected["sha256"]:
+        if file_sha256(path / relative) != expected["sha256"]:
             return f"{relative} does not match its sha256 in the manifest"
     _VERIFIED[str(path)] = signature
     return None

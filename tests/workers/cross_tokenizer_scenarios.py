@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, write  # noqa: E402
+from rank_results import gathered, plain_step, write  # noqa: E402
 from tiny_models import gpt2_config  # noqa: E402
 from tiny_tokenizers import bpe  # noqa: E402
 
@@ -109,11 +109,7 @@ def main(out: Path, uld_weight: float, name: str) -> None:
                 s_out = student(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
                 total = total + loss(s_out, t_out, {**b, "loss_normalizer": 1.0}).total  # a sum over the tokens
             step_loss = total / tokens
-            opt.zero_grad()
-            step_loss.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), TRAINING.max_grad_norm)
-            opt.step()
-            losses.append(step_loss.item())
+            losses.append(plain_step(opt, step_loss, TRAINING.max_grad_norm))
         return student, teacher, initial, losses
 
     student, teacher, initial, ref_losses = reference(torch.float32)

@@ -12,11 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, saved_pair, write  # noqa: E402
+from rank_results import gathered, max_diff, plain_kl, plain_step, saved_pair, write  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
@@ -109,21 +108,10 @@ def reverse_kl_reference(student_dir: Path, teacher_dir: Path, made: list[list[d
         student.train()
         total, tokens = 0.0, 0
         for b in step:
-            s_logp = F.log_softmax(student(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1],
-                                   -1)
-            with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-                                       .logits[:, :-1], -1)
-            valid = b["labels"][:, 1:] != -100
-            kl = (s_logp.exp() * (s_logp - t_logp)).sum(-1)
-            total = total + (kl * valid).sum()
-            tokens += int(valid.sum())
+            kl, counted = plain_kl(student, teacher, b, reverse=True)
+            total, tokens = total + kl, tokens + counted
         loss = total / tokens
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), TRAINING.max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(plain_step(opt, loss, TRAINING.max_grad_norm))
     return [p.detach() for p in student.parameters()], losses, mismatched
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import peft
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import saved_model, saved_pair, write  # noqa: E402
+from rank_results import plain_kl, plain_step, saved_model, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
@@ -61,19 +60,10 @@ def reference(student_dir: Path, teacher_dir: Path, start: dict[str, torch.Tenso
     for s in range(STEPS):
         total, tokens = 0.0, 0
         for b in all_batches[s * world * GAS:(s + 1) * world * GAS]:
-            s_logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-            with torch.no_grad():
-                t_logits = teacher(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-            valid = b["labels"][:, 1:] != -100
-            kl = F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
-                          reduction="none").sum(-1)
-            total, tokens = total + (kl * valid).sum(), tokens + int(valid.sum())
+            kl, counted = plain_kl(model, teacher, b)
+            total, tokens = total + kl, tokens + counted
         loss = total / tokens
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, TRAINING.max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(plain_step(opt, loss, TRAINING.max_grad_norm))
     return adapters(model, dtype), losses
 
 

@@ -198,14 +198,14 @@ def uneven(out: Path, distiller: Faulty) -> None:
 def killed_save(out: Path, teacher: Path, student: Path) -> None:
     """Saves at step 2, then is SIGKILLed inside the save of step 4, just before its manifest is written."""
     training = replace(TRAINING, checkpoint_dir=str(out / "killed_ckpt"), save_every=2)
-    original = checkpoint._write_atomic
+    original = checkpoint.write_atomic
 
     def write_then_die(path: Path, text: str) -> None:
         if path.parent.name.endswith(checkpoint.checkpoint_name(4)):
             os.kill(os.getpid(), signal.SIGKILL)
         original(path, text)
 
-    checkpoint._write_atomic = write_then_die
+    checkpoint.write_atomic = write_then_die
     Distiller(student, teacher, training=training).train(block_loader())
 
 

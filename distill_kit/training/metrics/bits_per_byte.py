@@ -7,19 +7,15 @@ both. Bits per byte = total negative log-likelihood of the text in bits / its le
 
 import math
 
-import datasets
 import evaluate
+
+from distill_kit.training import metrics
 
 
 class BitsPerByte(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="total negative log-likelihood in bits divided by the UTF-8 bytes of the predicted text",
-            citation="",
-            inputs_description="predictions: the NLL (natural log) of each counted token; references: its bytes",
-            features=datasets.Features({"predictions": datasets.Value("float64"),
-                                        "references": datasets.Value("int64")}),
-        )
+    _info = metrics.info("total negative log-likelihood in bits divided by the UTF-8 bytes of the predicted text",
+                         "predictions: the NLL (natural log) of each counted token; references: its bytes",
+                         predictions="float64", references="int64")
 
     def _compute(self, predictions, references):
         total_bytes = sum(references)

@@ -6,18 +6,15 @@ one takes the NLLs the evaluation loop already computed with the model in memory
 
 import math
 
-import datasets
 import evaluate
+
+from distill_kit.training import metrics
 
 
 class Perplexity(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="exp of the mean negative log-likelihood per predicted token",
-            citation="",
-            inputs_description="predictions: the NLL (natural log) of each counted token",
-            features=datasets.Features({"predictions": datasets.Value("float64")}),
-        )
+    _info = metrics.info("exp of the mean negative log-likelihood per predicted token",
+                         "predictions: the NLL (natural log) of each counted token",
+                         predictions="float64")
 
     def _compute(self, predictions):
         nll = sum(predictions) / max(len(predictions), 1)

@@ -1,17 +1,14 @@
 """How often the student's most likely next token is the teacher's, as a local `evaluate` module."""
 
-import datasets
 import evaluate
+
+from distill_kit.training import metrics
 
 
 class Top1Agreement(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="fraction of counted positions where student and teacher argmax tokens agree",
-            citation="",
-            inputs_description="predictions: the student's argmax token ids; references: the teacher's",
-            features=datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}),
-        )
+    _info = metrics.info("fraction of counted positions where student and teacher argmax tokens agree",
+                         "predictions: the student's argmax token ids; references: the teacher's",
+                         predictions="int64", references="int64")
 
     def _compute(self, predictions, references):
         same = sum(int(p == r) for p, r in zip(predictions, references, strict=True))
