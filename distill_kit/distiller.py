@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distill_kit.engines import deepspeed_config, distributed, kernels, models, peft_student
+from distill_kit.engines import deepspeed_config, distributed, fp8, kernels, models, peft_student
 from distill_kit.engines.build import build_student, build_teacher
 from distill_kit.engines.head import why_not_fused
 from distill_kit.engines.models import ModelSource
@@ -88,15 +88,19 @@ class Distiller(Trainer):
                     if peft is not None else None)
         self.export_merged = peft_student.wants_merged_export(peft)
         kernels.check_model_type(self.training.teacher_kernels, models.model_type(teacher), "training.teacher_kernels")
+        precision = fp8.resolve(self.training.teacher_precision, self.training.dtype)
+        if shared_teacher is None:
+            fp8.check_teacher(precision, self.training.dtype, teacher)
         kernels.check_model_type(self.training.student_kernels, models.model_type(student), "training.student_kernels")
         # The teacher loads first: it is the large one, and must never exist unsharded next to the student.
         need_attentions = self.loss.needs_attentions
-        teacher_model = (models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
+        teacher_model = (fp8.load_teacher(teacher, self.teacher_ds_config, self.training.dtype, precision,
+                                          need_attentions, self.device)
                          if shared_teacher is None else getattr(shared_teacher, "module", shared_teacher))
         student_model = models.load(student, self.student_ds_config, self.training.dtype, need_attentions)
         if shared_teacher is None:
-            kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels",
-                          liger=teacher_liger(self.training.on_policy))
+            kernels.apply(teacher_model, fp8.teacher_kernels(self.training.teacher_kernels, precision),
+                          "training.teacher_kernels", liger=teacher_liger(self.training.on_policy))
         kernels.apply(student_model, student_kernels(self.training.student_kernels, self.training.on_policy),
                       "training.student_kernels")
         if vocab_map is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from distill_kit.engines import kernels
+from distill_kit.engines import fp8, kernels
 from distill_kit.training.on_policy import OnPolicyConfig
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -54,6 +54,11 @@ class TrainingConfig:
     """Faster kernels for the teacher (``distill_kit/engines/kernels.py``): liger (Liger-Kernel's RoPE, RMSNorm,
     SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
     on a GPU where Liger supports the architecture, else none."""
+    teacher_precision: fp8.Precision = "auto"
+    """The teacher's compute precision: auto (the run's dtype), bf16, or fp8: its decoder layers' linear layers in
+    FP8 through torchao (row-wise scales), replicated on every rank (a stage-0 teacher config), loaded a layer at a
+    time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
+    compile."""
     student_kernels: kernels.Kernels = "auto"
     """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
     its compiled decode step's CUDA graphs: ``on_policy.student_kernels``)."""
@@ -86,6 +91,7 @@ class TrainingConfig:
             raise ValueError(f"invalid training settings: {values}")
         kernels.check(self.teacher_kernels, "teacher_kernels")
         kernels.check(self.student_kernels, "student_kernels")
+        fp8.check(self.teacher_precision, "teacher_precision")
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)

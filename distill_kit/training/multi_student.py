@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
-from distill_kit.engines import deepspeed_config, distributed, kernels, models
+from distill_kit.engines import deepspeed_config, distributed, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.deepspeed_config import TrainedConfig
 from distill_kit.engines.models import ModelSource
@@ -89,9 +89,12 @@ class MultiStudentDistiller(Trainer):
         ) for spec in specs}
         # The teacher loads first and once: it must never exist unsharded next to the students.
         need_attentions = any(loss.needs_attentions for loss in losses.values())
-        teacher_model = models.load(teacher, self.teacher_ds_config, self.training.dtype, need_attentions)
-        kernels.apply(teacher_model, self.training.teacher_kernels, "training.teacher_kernels",
-                      liger=teacher_liger(self.training.on_policy))
+        precision = fp8.resolve(self.training.teacher_precision, self.training.dtype)
+        fp8.check_teacher(precision, self.training.dtype, teacher)
+        teacher_model = fp8.load_teacher(teacher, self.teacher_ds_config, self.training.dtype, precision,
+                                         need_attentions, self.device)
+        kernels.apply(teacher_model, fp8.teacher_kernels(self.training.teacher_kernels, precision),
+                      "training.teacher_kernels", liger=teacher_liger(self.training.on_policy))
         self.teacher = build_teacher(teacher_model, self.teacher_ds_config, self.training.dtype, self.device)
         self.students: dict[str, Distiller] = {
             spec.name: Distiller(spec.model, teacher, loss=losses[spec.name], teacher_ds_config=teacher_ds_config,

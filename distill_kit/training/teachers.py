@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distill_kit.distiller import CONFIG_DIR, Batch, Distiller
-from distill_kit.engines import deepspeed_config, distributed, kernels, models
+from distill_kit.engines import deepspeed_config, distributed, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.models import ModelSource
 from distill_kit.run import evaluation, export
@@ -207,12 +207,17 @@ class MultiTeacherDistiller(Distiller):
         for spec in specs:
             kernels.check_model_type(self.training.teacher_kernels, models.model_type(spec.model),
                                      f"training.teacher_kernels (teacher {spec.name!r})")
+            fp8.check_teacher(self.training.teacher_precision, self.training.dtype, spec.model,
+                              f"training.teacher_precision (teacher {spec.name!r})")
+        precision = fp8.resolve(self.training.teacher_precision, self.training.dtype)
         self.teacher_ds_configs = configs
         """Each teacher's DeepSpeed config as its engine was given it, by name."""
         self.teachers: dict[str, nn.Module] = {}
         for spec in specs:  # the teachers load first, one after another, each into its own shards
-            model = models.load(spec.model, configs[spec.name], self.training.dtype, ensemble.needs_attentions)
-            kernels.apply(model, self.training.teacher_kernels, "training.teacher_kernels",  # as a lone teacher's
+            model = fp8.load_teacher(spec.model, configs[spec.name], self.training.dtype, precision,
+                                     ensemble.needs_attentions, self.device)
+            kernels.apply(model, fp8.teacher_kernels(self.training.teacher_kernels, precision),  # as a lone teacher's
+                          "training.teacher_kernels",
                           liger=teacher_liger(self.training.on_policy))
             self.teachers[spec.name] = build_teacher(model, configs[spec.name], self.training.dtype, self.device)
         first = specs[0]
