@@ -93,11 +93,12 @@ def check_teacher(precision: str, dtype: str, source: models.ModelSource, key: s
     cover, or a size no GPU here holds (judged on the model built without storage)."""
     from distill_kit.engines import models  # here: training/config.py imports this module, and models imports it
 
-    check(precision, key)
-    if resolve(precision, dtype) != "fp8":
+    if resolve(precision, dtype) != "fp8":  # the name itself is checked with the config (TrainingConfig)
         return
     if backend == "torchao" and (reason := why_no_fp8_device()):
         raise ConfigError(f"{key} 'fp8': {reason}. Set {key} to bf16 or auto.")
+    if isinstance(source, nn.Module) and is_fp8(source):
+        return  # quantised already (a benchmark's shape-only teacher): it is on its GPU
     if isinstance(source, nn.Module):
         skeleton = source
     else:
