@@ -88,7 +88,8 @@ LEVERS = {
     "liger": "Liger-Kernel RoPE, RMSNorm and SwiGLU in teacher and student (training.*_kernels: liger)",
     "compile": "torch.compile per decoder layer in teacher and student (training.*_kernels: compile)",
     "fp8": "the teacher in FP8 (training.teacher_precision: fp8): torchao row-wise, loaded a layer at a time, "
-           "compiled per decoder layer; replicated (with mode upper)",
+           "compiled per decoder layer whatever the kernels lever (which then reaches the student alone); "
+           "replicated (with mode upper)",
 }
 
 
@@ -172,7 +173,7 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     in_fp8 = "fp8" in run.levers
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=run.micro_batch, dtype=args.dtype,
                               lr=1e-5, log_every=10**9, fused_loss="unfused" not in run.levers,
-                              teacher_kernels="auto" if in_fp8 and kernels == "none" else kernels,
+                              teacher_kernels="auto" if in_fp8 else kernels,  # FP8: compile (engines/fp8.py)
                               student_kernels=kernels, teacher_precision="fp8" if in_fp8 else "auto")
     student_overrides, teacher_overrides = ds_overrides(run, args)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
