@@ -52,6 +52,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def check_kernels(tokens: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """Also torchao without fast accumulation (its default on Hopper keeps a partial sum in lower precision), to
+    tell the quantisation's error from the accumulator's."""
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
     rows = {}
     generator = torch.Generator(device).manual_seed(0)
     for name, (fan_in, fan_out) in SHAPES.items():
@@ -65,11 +70,19 @@ def check_kernels(tokens: int, device: torch.device) -> dict[str, dict[str, floa
         with torch.no_grad():
             bf16 = linear(x)
             fake = fp8.FakeFloat8Linear(linear)(x)
+            slow = nn.Sequential(nn.Linear(fan_in, fan_out, bias=False, device=device, dtype=torch.bfloat16))
+            slow[0].weight.copy_(linear.weight)
+            quantize_(slow, Float8DynamicActivationFloat8WeightConfig(
+                granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=False)))
+            precise = slow(x)
             holder = nn.Sequential(linear)
             fp8.quantize_layer(holder, "torchao")
             real = holder(x)
         rows[name] = {
             "torchao_vs_reference_max_rel": ((real.double() - exact).abs().max() / scale).item(),
+            "torchao_vs_reference_mean_rel": ((real.double() - exact).abs().mean() / scale).item(),
+            "torchao_no_fast_accum_vs_reference_max_rel": ((precise.double() - exact).abs().max() / scale).item(),
+            "stand_in_vs_reference_mean_rel": ((fake.double() - exact).abs().mean() / scale).item(),
             "stand_in_vs_reference_max_rel": ((fake.double() - exact).abs().max() / scale).item(),
             "torchao_vs_stand_in_max_rel": ((real.double() - fake.double()).abs().max() / scale).item(),
             "fp8_vs_unquantised_mean_rel": ((exact - plain).abs().mean() / scale).item(),

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distill_kit.data import blocks
-from distill_kit.engines import deepspeed_config, distributed, peft_student
+from distill_kit.engines import deepspeed_config, distributed, fp8, peft_student
 from distill_kit.run import run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, ConfigError, RunConfig, StudentConfig
 from distill_kit.students import from_teacher
@@ -292,8 +292,25 @@ def check_trackers(start: Start) -> list[str]:
 
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data,
-                       check_deepspeed_configs, check_checkpoint_disk,
+def check_teacher_precision(start: Start) -> list[str]:
+    """training.teacher_precision fp8: this machine has FP8 and torchao, every teacher's layers are covered, and
+    each fits one GPU (``engines/fp8.py``), before a student is cut from a teacher or anything loads."""
+    config, problems = start.config, []
+    sources = [spec.model for spec in config.teachers] if config.teachers else [config.teacher]
+    for source in sources:
+        if _local(source) and not (Path(source) / "config.json").is_file():
+            continue  # check_models reports it
+        try:
+            fp8.check_teacher(config.training.teacher_precision, config.training.dtype, source)
+        except ConfigError as err:
+            problems.append(str(err))
+            if "GPU" in str(err) or "torchao" in str(err):
+                break  # the same for every teacher
+    return problems
+
+
+CHECKS: list[Check] = [check_output_dir, check_models, check_teacher_precision, check_student_init, check_cuts,
+                       check_data, check_deepspeed_configs, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_peft, check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 

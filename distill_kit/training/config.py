@@ -56,8 +56,8 @@ class TrainingConfig:
     on a GPU where Liger supports the architecture, else none."""
     teacher_precision: fp8.Precision = "auto"
     """The teacher's compute precision: auto (the run's dtype), bf16, or fp8: its decoder layers' linear layers in
-    FP8 through torchao (row-wise scales), replicated on every rank (a stage-0 teacher config), loaded a layer at a
-    time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
+    FP8 through torchao (row-wise scales), replicated on every rank whatever teacher_ds_config's stage, loaded a layer
+    at a time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
     compile."""
     student_kernels: kernels.Kernels = "auto"
     """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
