@@ -157,10 +157,11 @@ def uncovered_layers(model: nn.Module) -> str | None:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 e4m3 values and float32 scales, one per row (last dimension reduced), as torchao's row-wise float8:
-    ``scale = amax / 448`` in float32, ``q = clamp(x / scale, +-448)`` rounded to e4m3. An all-zero row gets
+    """FP8 e4m3 values and float32 scales, one per row (last dimension reduced), as torchao 0.18's row-wise float8
+    (its ``torch`` quantise path): ``scale = amax / 448`` computed in the input's dtype (bf16: the scale is rounded
+    to bf16, then kept as float32), ``q = clamp(float32(x) / scale, +-448)`` rounded to e4m3. An all-zero row gets
     scale 1 (torchao's would divide by zero; no row of a trained model is all zeros)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
