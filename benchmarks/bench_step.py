@@ -58,7 +58,7 @@ from transformers import AutoModelForCausalLM
 
 from distill_kit import TrainingConfig
 from distill_kit.config import CONFIG_DIR
-from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines import deepspeed_config, distributed, fp8
 from losses import build_loss
 
 GIB = 2**30
@@ -87,6 +87,9 @@ LEVERS = {
     "unfused": "training.fused_loss off: the student's full logits, then the chunked loss (the default before #12)",
     "liger": "Liger-Kernel RoPE, RMSNorm and SwiGLU in teacher and student (training.*_kernels: liger)",
     "compile": "torch.compile per decoder layer in teacher and student (training.*_kernels: compile)",
+    "fp8": "the teacher in FP8 (training.teacher_precision: fp8): torchao row-wise, loaded a layer at a time, "
+           "compiled per decoder layer whatever the kernels lever (which then reaches the student alone); "
+           "replicated (with mode upper)",
 }
 
 
@@ -161,15 +164,17 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     result: dict[str, Any] = {"label": run.label, "mode": run.mode, "description": MODES[run.mode].description,
                               "micro_batch": run.micro_batch, "levers": list(run.levers)}
     if MODES[run.mode].teacher_stage < 3 and cuda:
-        need = facts["teacher_params"] * pairs.TORCH_DTYPES[args.dtype].itemsize
+        need = facts["teacher_params"] * (1 if "fp8" in run.levers else pairs.TORCH_DTYPES[args.dtype].itemsize)
         total = torch.cuda.get_device_properties(device).total_memory
         if need > total:
             return result | {"status": f"out of memory (not attempted): a replicated teacher's weights alone "
                                        f"need {need / GIB:.0f} GiB per GPU, the GPU has {total / GIB:.0f} GiB"}
     kernels = next((lever for lever in ("liger", "compile") if lever in run.levers), "none")
+    in_fp8 = "fp8" in run.levers
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=run.micro_batch, dtype=args.dtype,
                               lr=1e-5, log_every=10**9, fused_loss="unfused" not in run.levers,
-                              teacher_kernels=kernels, student_kernels=kernels)
+                              teacher_kernels="auto" if in_fp8 else kernels,  # FP8: compile (engines/fp8.py)
+                              student_kernels=kernels, teacher_precision="fp8" if in_fp8 else "auto")
     student_overrides, teacher_overrides = ds_overrides(run, args)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
         CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
@@ -183,7 +188,10 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     left_before = torch.cuda.memory_allocated(device) if cuda else 0
     build_start = time.perf_counter()
     # Teacher first, as the Distiller loads it: the large model must never sit unsharded beside the student.
-    teacher = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, attention)
+    teacher = (fp8.load(pair.teacher, device, need_attentions=attention == "eager",
+                        weights=fp8.random_weights(pair.teacher.initializer_range, args.seed)) if in_fp8 else
+               pairs.build(pair.teacher, teacher_cfg, args.dtype, device, attention))
+    teacher_bytes = torch.cuda.memory_allocated(device) - left_before if cuda else None
     student = pairs.build(pair.student, student_cfg, args.dtype, device, attention)
     distiller = TimedDistiller(student, teacher, loss=loss, training=training,
                                student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
@@ -205,6 +213,10 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     flops = facts["flops_per_token"] * tokens_per_s
     result |= {
         "status": "ok",
+        "teacher_weights_gib": None if teacher_bytes is None else teacher_bytes / GIB,
+        # The first step compiles (torch.compile per decoder layer); what it took beyond a later step's time.
+        "first_step_extra_s": (distiller.clock.summary(skip=0)["step_ms_all"][0] - summary["step_ms"]) / 1e3,
+        "mfu_fp8_peak": flops / (args.peak_fp8_tflops * 1e12),
         "tokens_per_step_per_gpu": tokens,
         "tokens_per_s_per_gpu": tokens_per_s,
         "mfu_spec": flops / (args.peak_tflops * 1e12),
@@ -271,6 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss-memory-shape", default="8,2048",
                         help="BATCH,LENGTH for the loss-memory measurement; 0 skips it")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
+    parser.add_argument("--peak-fp8-tflops", type=float, default=1979.0, help="H200 dense FP8 spec")
     parser.add_argument("--measured-tflops", type=float, default=790.0, help="bf16 matmul measured on an H200")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

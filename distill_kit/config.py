@@ -34,6 +34,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 Kernels = Literal["none", "liger", "compile", "auto"]
 CHOICES = ("none", "liger", "compile", "auto")
+Precision = Literal["auto", "bf16", "fp8"]
 
 
 def _check_kernels(choice: str, key: str) -> None:
@@ -156,6 +157,11 @@ class TrainingConfig:
     """Faster kernels for the teacher (``distill_kit/engines/kernels.py``): liger (Liger-Kernel's RoPE, RMSNorm,
     SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
     on a GPU where Liger supports the architecture, else none."""
+    teacher_precision: Precision = "auto"
+    """The teacher's compute precision: auto (the run's dtype), bf16, or fp8: its decoder layers' linear layers in
+    FP8 through torchao (row-wise scales), replicated on every rank whatever teacher_ds_config's stage, loaded a layer
+    at a time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
+    compile."""
     student_kernels: Kernels = "auto"
     """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
     its compiled decode step's CUDA graphs: ``on_policy.student_kernels``)."""
@@ -181,6 +187,7 @@ class TrainingConfig:
             "save_every": self.save_every >= 0,
             "keep_checkpoints": self.keep_checkpoints >= 1,
             "max_bad_steps": self.max_bad_steps >= 1,
+            "teacher_precision": self.teacher_precision in ("auto", "bf16", "fp8"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
                         help="micro-batches per part file: what a stopped capture redoes at most")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=defaults.dtype,
                         help="the teacher's compute precision")
+    parser.add_argument("--teacher-precision", choices=("auto", "bf16", "fp8"), default=defaults.teacher_precision,
+                        help="fp8: the teacher's decoder layers in FP8 (torchao), replicated on every rank")
     parser.add_argument("--ds-config", default=str(CONFIG_DIR / "zero3_teacher.json"),
                         help="the teacher's DeepSpeed config (ZeRO-3 shards it over the ranks)")
     return parser.parse_args()
@@ -70,6 +72,7 @@ def main() -> None:
         hidden_layers=tuple(int(i) for i in args.hidden_layers.split(",") if i.strip()),
         hidden_dtype=args.hidden_dtype, micro_batch_size=args.micro_batch_size,
         batches_per_part=args.batches_per_part, dtype=args.dtype,
+        teacher_precision=args.teacher_precision,
     )
     blocks = splits.train if args.split == "train" else splits.heldout
     manifest = capture(args.teacher, tokenizer, blocks, args.out, config, ds_config=args.ds_config)

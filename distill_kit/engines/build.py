@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import TrainingConfig
-from distill_kit.engines import schedule
+from distill_kit.engines import fp8, schedule
 from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.head import headless_forward
 from distill_kit.engines.models import TORCH_DTYPES
@@ -66,6 +66,8 @@ def build_teacher(
     model.eval()
     if not any(True for _ in model.parameters()):
         return model  # no weights to shard or place: a captured teacher (distill_kit/offline/captured_teacher.py)
+    if fp8.is_fp8(model):
+        return model  # loaded onto its device in FP8 (engines/fp8.py), replicated; a dtype cast would undo it
     if zero_stage(ds_config) == 3:
         engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config))
         engine.eval()

@@ -8,10 +8,9 @@ from __future__ import annotations
 import hashlib
 
 import deepspeed
-import torch
 from torch import nn
 
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, fp8
 
 
 def teacher_fingerprint(teacher: nn.Module) -> str:
@@ -30,9 +29,9 @@ def teacher_fingerprint(teacher: nn.Module) -> str:
     for index, (name, param) in enumerate(module.named_parameters()):
         with deepspeed.zero.GatheredParameters([param]):
             if index % world == rank:
-                values = param.detach().cpu().contiguous().reshape(-1)
-                digest = hashlib.sha256(f"{name}|{tuple(param.shape)}|{values.dtype}|".encode())
-                digest.update(values.view(torch.uint8).numpy().tobytes())
+                kind, tensors = fp8.fingerprint_tensor(param)  # an FP8 weight: its data and scales
+                digest = hashlib.sha256(f"{name}|{tuple(param.shape)}|{kind}|".encode())
+                fp8.digest_tensors(digest, tensors)
                 mine[index] = digest.hexdigest()
     merged: dict[int, str] = {}
     for part in distributed.all_gather_object(mine):

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit.config import CONFIG_DIR, TrainingConfig
+from distill_kit.config import CONFIG_DIR, Precision, TrainingConfig
 from distill_kit.data.blocks import BlockLoader
-from distill_kit.engines import distributed, fingerprint, models
+from distill_kit.engines import distributed, fingerprint, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, resolve
 from distill_kit.engines.models import ModelSource
@@ -49,7 +49,10 @@ class CaptureConfig:
     batches_per_part: int = 64
     """Micro-batches per part file: the unit a stopped capture loses, and one file's size."""
     dtype: str = "bf16"
-    """The teacher's compute precision."""
+    """The precision of the teacher's embeddings, norms and head, and of its matmuls unless teacher_precision says
+    otherwise."""
+    teacher_precision: Precision = "auto"
+    """fp8: the teacher's decoder layers in FP8, replicated and compiled per layer (``engines/fp8.py``)."""
     chunk_tokens: int = 2048
     """Rows of logits turned into float32 log-probabilities at a time: bounds memory at large vocabularies."""
 
@@ -57,6 +60,8 @@ class CaptureConfig:
         for name in ("k", "micro_batch_size", "batches_per_part", "chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"capture {name} must be >= 1, got {getattr(self, name)}")
+        if self.teacher_precision not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"capture teacher_precision must be auto, bf16 or fp8, got {self.teacher_precision!r}")
 
 
 def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,8 +137,12 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     teacher_cfg = models.model_config(teacher)
     training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
     engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
-    model = build_teacher(models.load(teacher, engine_config, config.dtype), engine_config, config.dtype,
-                                  device)
+    precision = fp8.resolve(config.teacher_precision, config.dtype)
+    fp8.check_teacher(precision, config.dtype, teacher, "teacher_precision")
+    loaded = fp8.load_teacher(teacher, engine_config, config.dtype, precision, False, device)
+    if precision == "fp8":
+        kernels.apply(loaded, "compile", "teacher_precision")  # FP8 pays off only fused (engines/fp8.py)
+    model = build_teacher(loaded, engine_config, config.dtype, device)
     spec = StoreSpec(
         teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
         # The identity checkpoints record too, so a run resumed from the store is checked against the same teacher.

@@ -281,7 +281,7 @@ def _linear(target: nn.Linear, source: nn.Linear, rows: torch.Tensor, cols: torc
 
 
 def _head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return (heads[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
+    return (heads[:, None] * head_dim + torch.arange(head_dim, device=heads.device)[None, :]).reshape(-1)
 
 
 @torch.no_grad()

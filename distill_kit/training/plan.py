@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import deepspeed
+
 from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig
-from distill_kit.engines import kernels, models, peft_student
+from distill_kit.engines import fp8, kernels, models, peft_student
 from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, check_tokenizers, check_weights
@@ -85,6 +87,11 @@ def make_plan(
         world_size=world_size,
         labels={name: "student" if alone else f"student {name!r}" for name in student_facts}
         | {name: "teacher" if len(teachers) == 1 else f"teacher {name!r}" for name in teacher_facts})
+    for spec in teachers:  # FP8 where it cannot run (the device, a layer, the size), before anything loads
+        if not isinstance(spec.model, deepspeed.DeepSpeedEngine):
+            fp8.check_teacher(training.teacher_precision, training.dtype, spec.model,
+                              "training.teacher_precision" if len(teachers) == 1 else
+                              f"training.teacher_precision (teacher {spec.name!r})")
     for kind, specs in (("teacher", teachers), ("student", students)):
         for spec in specs:
             kernels.check_model_type(getattr(training, f"{kind}_kernels"), models.model_type(spec.model),

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import TeacherSpec, TrainingConfig
-from distill_kit.engines import kernels, models
+from distill_kit.engines import fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.fingerprint import teacher_fingerprint
 from distill_kit.engines.models import ModelSource
@@ -68,8 +68,10 @@ class Teachers:
             if isinstance(spec.model, deepspeed.DeepSpeedEngine):  # built already (shared by Distillers): as it is
                 self.engines[spec.name] = spec.model
                 continue
-            model = models.load(spec.model, ds_configs[spec.name], training.dtype, need_attentions)
-            kernels.apply(model, training.teacher_kernels, "training.teacher_kernels",
+            precision = fp8.resolve(training.teacher_precision, training.dtype)  # checked by the plan
+            model = fp8.load_teacher(spec.model, ds_configs[spec.name], training.dtype, precision, need_attentions,
+                                     device)
+            kernels.apply(model, fp8.teacher_kernels(training.teacher_kernels, precision), "training.teacher_kernels",
                           liger=teacher_liger(training.on_policy))
             self.engines[spec.name] = build_teacher(model, ds_configs[spec.name], training.dtype, device)
         self._identities: dict[str, str] | None = None
