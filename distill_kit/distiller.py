@@ -134,8 +134,17 @@ class Distiller(Trainer):
         return inputs
 
     def teacher_forward(self, batch: Batch) -> Any:
-        """One forward of every teacher, shared by every student: an output, or ``{name: output}`` for several."""
-        return self.teachers.forward(self.teacher_inputs(batch))
+        """One forward of every teacher, shared by every student: an output, or ``{name: output}`` for several;
+        with ``combine: route``, each row's teacher (``batch["teacher_id"]``) over its rows only."""
+        return self.teachers.forward(self.teacher_inputs(batch), route=self._route(batch))
+
+    def _route(self, batch: Batch) -> Any:
+        if self.plan.combine != "route":
+            return None
+        if "teacher_id" not in batch:
+            raise ConfigError("combine: route needs each row's teacher: batches carry teacher_id, the index of its "
+                              "teacher in teachers= (ChatLoader(..., route=[names]) adds it from the records)")
+        return batch["teacher_id"]
 
     @property
     def needs_teacher(self) -> bool:

@@ -85,6 +85,9 @@ class DataConfig:
     the tokenizer's named templates, a shipped one (chatml, llama3) or a .jinja file; None uses the tokenizer's."""
     assistant_turns: Literal["all", "last"] = "all"
     """Chat data: which assistant messages of a conversation count in the loss; the others are context."""
+    teacher_field: str = "teacher"
+    """Chat data with ``combine: route``: the record key naming the teacher of each conversation (one of the
+    ``teachers:`` names); the run forwards each teacher only over its conversations (docs/teachers.md#routing)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 2:

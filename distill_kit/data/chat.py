@@ -82,7 +82,7 @@ from distill_kit.data.blocks import (
     _check_rank,
     load_text,
 )
-from distill_kit.errors import ConfigError
+from distill_kit.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ FEATURES = datasets.Features({
     "length": datasets.Value("int32"),
     "counted": datasets.Value("int32"),
     "record": datasets.Value("string"),
+    "teacher": datasets.Value("string"),
 })
 
 Batch = dict[str, torch.Tensor]
@@ -388,8 +389,9 @@ class ChatSplits:
 
 
 def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, block_size: int,
-                     stats: ChatStats) -> datasets.Dataset:
-    """Validate, render and truncate every record (every error is raised before any training)."""
+                     stats: ChatStats, teacher_field: str | None = None) -> datasets.Dataset:
+    """Validate, render and truncate every record (every error is raised before any training). ``teacher_field``:
+    the key naming each record's teacher (``combine: route``), which every record must then have."""
     chunks, rows = [], {name: [] for name in FEATURES}
 
     def flush() -> None:
@@ -414,7 +416,8 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
         if counted == 0:
             stats.prompts += 1
             stats.first_prompt = stats.first_prompt or where
-        for name, value in zip(FEATURES, (ids, labels, len(ids), counted, where), strict=True):
+        teacher = record_teacher(record, where, teacher_field) if teacher_field else ""
+        for name, value in zip(FEATURES, (ids, labels, len(ids), counted, where, teacher), strict=True):
             rows[name].append(value)
         if len(rows["length"]) >= CHUNK_RECORDS:
             flush()
@@ -424,15 +427,27 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
     return datasets.concatenate_datasets(chunks)
 
 
-def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> ChatSplits:
-    """Read, validate, render and hold out chat records as ``config`` says (``data.heldout`` or a fraction)."""
+def record_teacher(record: Any, where: str, field: str) -> str:
+    """The teacher a record names (``combine: route``): a non-empty string under ``field``."""
+    name = record.get(field) if isinstance(record, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise DataError(f"{where}: no {field!r} naming its teacher, and combine: route reads each conversation's "
+                        f"teacher from it: add \"{field}\": \"<one of the teachers' names>\" to every record (or set "
+                        "data.teacher_field to the key your records use)")
+    return name
+
+
+def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, route: bool = False) -> ChatSplits:
+    """Read, validate, render and hold out chat records as ``config`` says (``data.heldout`` or a fraction);
+    ``route``: each record names its teacher (``data.teacher_field``)."""
     if config.streaming:
         raise ConfigError("data.streaming is for text; chat records are tokenised up front (set it to false)")
     encoder = ChatEncoder(tokenizer, resolve_template(tokenizer, config.chat_template), config.assistant_turns)
     stats = {"train": ChatStats(), "heldout": ChatStats()}
-    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"])
+    field = config.teacher_field if route else None
+    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"], field)
     if config.heldout is not None:
-        heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"])
+        heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"], field)
     else:
         if len(train) < 2:
             raise ConfigError(f"data.train holds {len(train)} usable chat record(s): too few to hold any out; "
@@ -610,8 +625,14 @@ class ChatLoader(EpochLoader):
 
     def __init__(self, dataset: datasets.Dataset, micro_batch_size: int, *, pad_id: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 packing: bool = False, block_size: int | None = None) -> None:
+                 packing: bool = False, block_size: int | None = None, route: Sequence[str] | None = None) -> None:
+        """``route``: the teachers' names, in order (``combine: route``): each conversation goes to the teacher its
+        record names, and every global batch holds one teacher's conversations (:meth:`epoch_order`), so each
+        micro-batch carries ``teacher_id`` and every rank forwards the same one teacher at the same step."""
         _check_rank(rank, world_size, micro_batch_size)
+        if route is not None and packing:
+            raise ConfigError("data.packing: true with combine: route is not supported yet: a packed row would hold "
+                              "conversations of several teachers. Set data.packing: false, or combine: sum")
         global_batch = world_size * micro_batch_size
         if len(dataset) == 0:
             raise ValueError("the dataset has no conversations: check the data files")
@@ -632,6 +653,9 @@ class ChatLoader(EpochLoader):
         if packing:
             whole, rest = divmod(rows, global_batch)
             self.num_batches = whole + (1 if rest and not drop_last else 0)
+        self.teacher_ids = None if route is None else teacher_ids(dataset, route)
+        if self.teacher_ids is not None:
+            self.num_batches = len(self.epoch_order(0)) // global_batch
 
     def describe_packing(self, name: str) -> str:
         """One line for the run's log: conversations, rows, and the share of the rows' positions that are tokens."""
@@ -649,6 +673,8 @@ class ChatLoader(EpochLoader):
         """
         size = self.world_size * self.micro_batch_size
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + (epoch if self.shuffle else 0))
+        if self.teacher_ids is not None:
+            return self._routed_order(size, generator)
         if self.packed_rows is not None:  # packed rows: nearly all full already, so no length grouping
             count = len(self.packed_rows)
             return torch.randperm(count, generator=generator).tolist() if self.shuffle else list(range(count))
@@ -658,6 +684,24 @@ class ChatLoader(EpochLoader):
         if self.shuffle:
             whole = [whole[i] for i in torch.randperm(len(whole), generator=generator).tolist()]
         return [i for b in whole + [b for b in batches if len(b) < size] for i in b]
+
+    def _routed_order(self, size: int, generator: torch.Generator) -> list[int]:
+        """Each teacher's conversations length-grouped into global batches of their own; the whole batches of every
+        teacher shuffled together. A teacher's last partial batch is left out of a training epoch (other rows each
+        epoch) and, in evaluation, filled with its own first rows marked ``-1`` - 1 - row (they count nothing)."""
+        batches = []
+        for teacher in sorted(set(self.teacher_ids)):
+            rows = [i for i, t in enumerate(self.teacher_ids) if t == teacher]
+            grouped = get_length_grouped_indices([self.lengths[i] for i in rows], size, generator=generator)
+            ordered = [rows[i] for i in grouped]
+            for start in range(0, len(ordered), size):
+                chunk = ordered[start:start + size]
+                if len(chunk) < size and self.drop_last:
+                    continue
+                batches.append(chunk + [-1 - ordered[0]] * (size - len(chunk)))
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        return [i for b in batches for i in b]
 
     def batch(self, epoch: int, index: int, order: Sequence[int] | None = None) -> Batch:
         """Micro-batch ``index`` of ``epoch`` for this rank (``order``: :meth:`epoch_order`'s, rows if packed)."""
@@ -671,10 +715,30 @@ class ChatLoader(EpochLoader):
             pairs = iter(zip(rows["input_ids"], rows["labels"], strict=True))
             packed = [[next(pairs) for _ in row] for row in members]
             return packed_batch(packed + [[]] * short, self.pad_id)
+        if self.teacher_ids is not None:  # filler rows (index -1 - row) are their teacher's rows, counting nothing
+            fillers = [i < 0 for i in chosen]
+            chosen = [-1 - i if i < 0 else i for i in chosen]
         rows = self.dataset[chosen] if chosen else {"input_ids": [], "labels": []}
         ids = list(rows["input_ids"]) + [[self.pad_id]] * short
         labels = list(rows["labels"]) + [[IGNORE_INDEX]] * short
-        return pad_rows(ids, labels, self.pad_id)
+        if self.teacher_ids is None:
+            return pad_rows(ids, labels, self.pad_id)
+        labels = [[IGNORE_INDEX] * len(row) if filler else row for row, filler in zip(labels, fillers, strict=True)]
+        return pad_rows(ids, labels, self.pad_id) | {
+            "teacher_id": torch.tensor([self.teacher_ids[i] for i in chosen], dtype=torch.long)}
+
+
+def teacher_ids(dataset: datasets.Dataset, names: Sequence[str]) -> list[int]:
+    """Each conversation's teacher as its index in ``names``; a name no teacher has is a ``DataError`` naming the
+    record and the teachers there are."""
+    index = {name: i for i, name in enumerate(names)}
+    ids = []
+    for teacher, where in zip(dataset["teacher"], dataset["record"], strict=True):
+        if teacher not in index:
+            raise DataError(f"{where}: teacher {teacher!r} is not one of the run's teachers {list(names)}: fix the "
+                            "record, or add that teacher to teachers:")
+        ids.append(index[teacher])
+    return ids
 
 
 def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -177,7 +177,9 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         if tokenize is not None:
             raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
                               "template per tokenizer, aligned answers) is not supported yet")
-        splits = chat.build_splits(data_config, tokenizer)  # every rank renders the same records: no cache to share
+        route = [t.name for t in config.teachers] if config.combine == "route" and config.teachers else None
+        # every rank renders the same records: no cache to share
+        splits = chat.build_splits(data_config, tokenizer, route=route is not None)
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
@@ -188,9 +190,10 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
             chat.require_answers(splits, "the students' losses", ["train"])
         pad = chat.pad_id_of(tokenizer)
         packing = {"packing": data_config.packing is True, "block_size": data_config.block_size}
-        loaders = (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed, **packing),
+        loaders = (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed, route=route,
+                                   **packing),
                    chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
-                                   drop_last=False, **packing))
+                                   drop_last=False, route=route, **packing))
         if packing["packing"] and distributed.is_main():
             for name, loader in zip(("train", "heldout"), loaders, strict=True):
                 logger.info(loader.describe_packing(name))

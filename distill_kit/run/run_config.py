@@ -71,10 +71,12 @@ class RunConfig:
     """Several frozen teachers of one student, instead of teacher: [{name, model, weight, ds_config}, ...]. The
     first stands for "the teacher" where one model is meant (tokenizer, a student's init, init_from_teacher);
     evaluation compares the student with their weighted mixture. None: the one teacher of teacher."""
-    combine: Literal["sum", "mixture"] = "sum"
+    combine: Literal["sum", "mixture", "route"] = "sum"
     """With teachers: sum (sum_k w_k loss(student, teacher_k); needed by hidden-state and attention losses, and
-    usual for teachers weighted by skill) or mixture (the loss against sum_k w_k p_k, the ensemble target of Hinton
-    et al. 2015; suits peers on one task, and reverse KL/JSD). Same gradient for forward KL (README)."""
+    usual for teachers weighted by skill), mixture (the loss against sum_k w_k p_k, the ensemble target of Hinton
+    et al. 2015; suits peers on one task, and reverse KL/JSD; same gradient as sum for forward KL), or route (each
+    chat conversation taught by the teacher its record names under data.teacher_field: specialist teachers of
+    their own domains; docs/teachers.md#routing)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
     student_tokenizer: str | None = None

@@ -525,6 +525,13 @@ def check_teachers(config: RunConfig) -> list[str]:
         multi_teacher.check_weights(specs)
     except ValueError as err:
         return [f"teachers: {err}"]
+    if config.combine == "route" and config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":
+        problems.append("combine: route sends each chat conversation to the teacher its record names "
+                        f"(data.teacher_field {config.data.teacher_field!r}), and data.train is text: give chat "
+                        "records, or combine: sum")
+    elif config.combine == "route" and config.data.train == STDLIB_CORPUS:
+        problems.append("combine: route needs chat records naming their teachers (data.teacher_field), and "
+                        "data.train is the embedded text corpus: give data.train chat records, or combine: sum")
     if config.student_tokenizer is not None:
         problems.append("student_tokenizer with teachers: distilling across tokenizers (cross_tokenizer) takes one "
                         "teacher; drop student_tokenizer (every teacher then shares the students' tokenizer), or "

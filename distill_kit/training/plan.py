@@ -42,6 +42,8 @@ class Plan:
     """The first teacher's vocabulary, which no student's may exceed (None across tokenizers or without one)."""
     adapters: dict[str, Any]
     """Each LoRA student's ``peft.PeftConfig``, by name (``engines/peft_student.py``)."""
+    combine: Combine = "sum"
+    """How several teachers teach: a sum of losses, one loss against their mixture, or each row its own (route)."""
 
     @property
     def need_attentions(self) -> bool:
@@ -69,6 +71,11 @@ def make_plan(
     ``alone``: the one-line case, whose messages say "student" and "teacher" rather than each model's name.
     """
     check_shape(students, teachers, training, vocab_map)
+    if combine not in ("sum", "mixture", "route"):
+        raise ConfigError(f"combine: {combine!r} is not one of sum, mixture, route")
+    if combine == "route" and training.on_policy.fraction > 0 and training.on_policy.sampler == "teacher":
+        raise ConfigError("combine: route with training.on_policy.sampler: teacher: each row would need its own "
+                          "teacher's sample; use sampler: student (each sample is scored by its row's teacher)")
     student_facts = {s.name: models.facts(s.model) for s in students}
     teacher_facts = {t.name: models.facts(t.model) for t in teachers}
     losses = {s.name: student_loss(s, student_facts[s.name], teachers, teacher_facts, combine, vocab_map)
@@ -107,7 +114,7 @@ def make_plan(
             except (ImportError, TypeError, ValueError) as err:
                 raise ConfigError(f"students[{spec.name}].peft: {err}") from None
     return Plan(list(students), list(teachers), training, losses, student_configs, teacher_configs, teacher_vocab,
-                adapters)
+                adapters, combine)
 
 
 def check_vocabulary(student_vocab: int | None, teacher_vocab: int | None, name: str) -> None:
@@ -165,8 +172,13 @@ def student_loss(spec: StudentSpec, facts: Mapping[str, Any], teachers: Sequence
             message = err.args[0] if isinstance(err, KeyError) and err.args else err
             raise ConfigError(f"students[{spec.name}].loss: {message}") from None
 
-    if len(teachers) <= 1:
-        return built(teachers[0] if teachers else None)
+    if len(teachers) <= 1 or combine == "route":  # routed: each row's logits come from its own teacher
+        loss = built(teachers[0] if teachers else None)
+        if combine == "route" and (loss.needs_hidden_states or loss.needs_attentions):
+            raise ConfigError(f"students[{spec.name}].loss with combine: route: a routed teacher output holds each "
+                              "row's logits only; hidden-state and attention losses compare one teacher's states: "
+                              "use combine: sum")
+        return loss
     try:
         return TeacherEnsembleLoss({t.name: built(t) for t in teachers}, {t.name: t.weight for t in teachers},
                                    combine)

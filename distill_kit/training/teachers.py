@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import TeacherSpec, TrainingConfig
-from distill_kit.engines import fp8, kernels, models
+from distill_kit.engines import distributed, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.fingerprint import teacher_fingerprint
 from distill_kit.engines.models import ModelSource
@@ -45,7 +45,7 @@ from losses.base import LogitLoss
 from losses.composite import WeightedSum
 from losses.functional import mixture_logits
 
-Combine = Literal["sum", "mixture"]
+Combine = Literal["sum", "mixture", "route"]
 Batch = dict[str, Any]
 
 
@@ -75,6 +75,10 @@ class Teachers:
                           liger=teacher_liger(training.on_policy))
             self.engines[spec.name] = build_teacher(model, ds_configs[spec.name], training.dtype, device)
         self._identities: dict[str, str] | None = None
+        sizes = [getattr(models.model_config(spec.model), "vocab_size", None) for spec in specs
+                 if not isinstance(spec.model, deepspeed.DeepSpeedEngine)]
+        self.vocab_size = min((s for s in sizes if s), default=None)
+        """The smallest teacher vocabulary: routed rows are compared on it (a padded one is cut to it)."""
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -84,16 +88,43 @@ class Teachers:
         """The first teacher's engine: "the teacher" where one model is meant (``sampler: teacher``)."""
         return next(iter(self.engines.values()), None)
 
-    def forward(self, inputs: Mapping[str, Any]) -> Any:
-        """Every teacher on the same inputs, without gradients: one output, or ``{name: output}``."""
+    def forward(self, inputs: Mapping[str, Any], route: torch.Tensor | None = None) -> Any:
+        """Every teacher on the same inputs, without gradients: one output, or ``{name: output}``. With ``route``
+        (``combine: route``: each row's teacher index) each teacher runs only over its rows, and the output holds
+        every row's logits from its own teacher."""
         with torch.no_grad():
+            if route is not None:
+                return self.routed(inputs, route)
             outputs = {name: engine(**inputs) for name, engine in self.engines.items()}
         return next(iter(outputs.values())) if len(outputs) == 1 else outputs
 
+    def routed(self, inputs: Mapping[str, Any], route: torch.Tensor) -> SimpleNamespace:
+        """Each row's logits from the teacher ``route`` names for it (vocabularies cut to the smallest).
+
+        A ZeRO-3 forward is a collective, so every rank runs the teachers any rank needs, in the same order: a rank
+        with no row of one runs it over its first row and drops the result. The routed loader (``ChatLoader(route=
+        ...)``) gives every rank one and the same teacher per micro-batch, so that never happens in a run of it.
+        """
+        names = list(self.engines)
+        needed = torch.zeros(len(names), device=route.device)
+        needed[route.unique()] = 1
+        needed = distributed.all_reduce_max(needed)
+        logits = None
+        for index in needed.nonzero().flatten().tolist():
+            rows = (route == index).nonzero().flatten()
+            sub = rows if len(rows) else route.new_zeros(1)  # a forward this rank only joins
+            out = self.engines[names[index]](**{k: v[sub] if torch.is_tensor(v) else v for k, v in inputs.items()})
+            vocab = self.vocab_size or out.logits.shape[-1]
+            if logits is None:
+                logits = out.logits.new_zeros((route.shape[0], out.logits.shape[1], vocab))
+            if len(rows):
+                logits[rows] = out.logits[..., :vocab]
+        return SimpleNamespace(logits=logits)
+
     def mixture(self, outputs: Any) -> Any:
-        """What evaluation compares a student with: the one teacher, or the teachers' weighted mixture at
-        temperature 1 (vocabularies cut to the smallest)."""
-        if len(self.engines) == 1:
+        """What evaluation compares a student with: the one teacher (or each row's own, routed), or the teachers'
+        weighted mixture at temperature 1 (vocabularies cut to the smallest)."""
+        if not isinstance(outputs, Mapping):
             return outputs
         total = sum(spec.weight for spec in self.specs.values())
         vocab = min(out.logits.shape[-1] for out in outputs.values())

@@ -14,7 +14,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, saved_model, saved_pair, write  # noqa: E402
+from rank_results import gathered, max_diff, plain_step, saved_model, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
@@ -75,6 +75,61 @@ def identities(out: Path, a: Path, b: Path, student: Path) -> None:
                               "refusal": refusal, "eval": first.evaluate(data[:2])})
 
 
+# Each global micro-batch's teachers: step 1 all rows teacher a, step 2 all teacher b (what the routed loader
+# gives), step 3 mixed rows, and the last rank with no row of teacher a (it must still join a's ZeRO-3 forward).
+ROUTES = [lambda rank: [0, 0], lambda rank: [1, 1], lambda rank: [0, 1] if rank == 0 else [1, 1]]
+ROUTED_LRS = [3e-3, 2e-3, 1e-3]  # the documented schedule for 3 steps, warm-up 1: linear to 0 just after the last
+
+
+def routed_reference(student_dir: Path, teachers: list[Path], all_batches: list[dict], world: int,
+                     dtype: torch.dtype) -> tuple[list[torch.Tensor], list[float]]:
+    """The routed distillation as a plain loop over the union of every rank's micro-batches, in ``dtype``: each
+    row's forward KL against the teacher its ``teacher_id`` names, per token of the whole step."""
+    student = GPT2LMHeadModel.from_pretrained(student_dir).to(dtype)
+    models = [GPT2LMHeadModel.from_pretrained(path).to(dtype).eval() for path in teachers]
+    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
+                            weight_decay=TRAINING.weight_decay)
+    losses = []
+    for s in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = ROUTED_LRS[s]
+        total, tokens = 0.0, 0
+        for b in all_batches[s * world * GAS:(s + 1) * world * GAS]:
+            inputs = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+            s_logp = torch.log_softmax(student(**inputs).logits[:, :-1], -1)
+            with torch.no_grad():
+                every = torch.stack([torch.log_softmax(m(**inputs).logits[:, :-1], -1) for m in models])
+            t_logp = every[b["teacher_id"], torch.arange(len(b["teacher_id"]))]  # each row from its own teacher
+            valid = b["labels"][:, 1:] != -100
+            total = total + ((t_logp.exp() * (t_logp - s_logp)).sum(-1) * valid).sum()
+            tokens += int(valid.sum())
+        losses.append(plain_step(opt, total / tokens, TRAINING.max_grad_norm))
+    return [p.detach() for p in student.parameters()], losses
+
+
+def routed(out: Path, a: Path, b: Path, student: Path) -> None:
+    """combine: route against the plain loop above, on 2 ranks with ZeRO-3 teachers."""
+    world, rank = distributed.world_size(), distributed.rank()
+    all_batches = random_batches(STEPS * GAS * world, MBS, LENGTH, seed=70)
+    for g, batch in enumerate(all_batches):
+        batch["teacher_id"] = torch.tensor(ROUTES[g // (world * GAS)]((g // GAS) % world))
+    mine = [all_batches[(s * world + rank) * GAS + m] for s in range(STEPS) for m in range(GAS)]
+    distiller = Distiller(student, teachers=[{"name": "a", "model": a}, {"name": "b", "model": b}], combine="route",
+                          training=TRAINING)
+    history = distiller.train(mine)
+    ours = gathered(distiller.student_model)
+    ref, ref_losses = routed_reference(student, [a, b], all_batches, world, torch.float32)
+    exact, _ = routed_reference(student, [a, b], all_batches, world, torch.float64)
+    initial = gathered(GPT2LMHeadModel.from_pretrained(student))
+    write(out, "routed", {
+        "max_param_diff": max_diff(ours, ref), "max_param_change": max_diff(ref, initial),
+        "ours_vs_float64": max((x.double() - y).abs().max().item() for x, y in zip(ours, exact, strict=True)),
+        "ref_vs_float64": max((x.double() - y).abs().max().item() for x, y in zip(ref, exact, strict=True)),
+        "losses": [h["loss"] for h in history], "ref_losses": ref_losses, "lrs": [h["lr"] for h in history],
+        "eval": distiller.evaluate(mine[:2]),
+    })
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     distributed.init()
@@ -82,6 +137,7 @@ def main() -> None:
     b = saved_model(out, "teacher_b", seed=4321, width=48, layers=2)
     one_teacher_equivalence(out, a, b, student)
     identities(out, a, b, student)
+    routed(out, a, b, student)
 
 
 if __name__ == "__main__":
