@@ -87,6 +87,10 @@ LEVERS = {
     "unfused": "training.fused_loss off: the student's full logits, then the chunked loss (the default before #12)",
     "liger": "Liger-Kernel RoPE, RMSNorm and SwiGLU in teacher and student (training.*_kernels: liger)",
     "compile": "torch.compile per decoder layer in teacher and student (training.*_kernels: compile)",
+    "hpz": "ZeRO++ hierarchical partitioning for the teacher (zero_hpz_partition_size: this node's GPUs): its "
+           "forward gathers stay inside a node; the multi-node remedy of RESULTS.md's model",
+    "qwz": "ZeRO++ quantised weight all-gathers for the teacher (zero_quantized_weights): int8 gathers, half the "
+           "bytes of bf16",
     "fp8": "the teacher in FP8 (training.teacher_precision: fp8): torchao row-wise, loaded a layer at a time, "
            "compiled per decoder layer whatever the kernels lever (which then reaches the student alone); "
            "replicated (with mode upper)",
@@ -136,6 +140,10 @@ def ds_overrides(run: Run, args: argparse.Namespace) -> tuple[dict[str, Any], di
     if "fused" in run.levers:
         student["optimizer.params.fused"] = True
     teacher = {"zero_optimization.stage": mode.teacher_stage} | (zero3 if mode.teacher_stage == 3 else {})
+    if "hpz" in run.levers:
+        teacher["zero_optimization.zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "qwz" in run.levers:
+        teacher["zero_optimization.zero_quantized_weights"] = True
     return student, teacher
 
 

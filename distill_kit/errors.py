@@ -15,3 +15,7 @@ class DataError(ValueError):
 
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config that cannot drive an engine; the message lists every problem and its fix."""
+
+
+class CheckpointError(OSError):
+    """A checkpoint that could not be written; the message names the folder, the cause, the free space and the fix."""

@@ -22,7 +22,7 @@ SCRIPT = ROOT / "scripts/distill.py"
 
 def conversations(teachers: list[str]) -> datasets.Dataset:
     """Tokenised conversations as the chat pipeline stores them: row i is i + 3 tokens, its answer counted."""
-    rows = {name: [] for name in chat.FEATURES}
+    rows = {name: [] for name in chat.ROUTED_FEATURES}
     for i, teacher in enumerate(teachers):
         ids = list(range(1, i + 4))
         rows["input_ids"].append(ids)
@@ -31,7 +31,7 @@ def conversations(teachers: list[str]) -> datasets.Dataset:
         rows["counted"].append(len(ids) - 1)
         rows["record"].append(f"data.jsonl record {i}")
         rows["teacher"].append(teacher)
-    return datasets.Dataset.from_dict(rows, features=chat.FEATURES)
+    return datasets.Dataset.from_dict(rows, features=chat.ROUTED_FEATURES)
 
 
 @pytest.mark.parametrize("drop_last", [True, False])

@@ -22,6 +22,7 @@ from torch import nn
 
 from distill_kit import TrainingConfig
 from distill_kit.engines import fingerprint
+from distill_kit.errors import CheckpointError
 from distill_kit.training import checkpoint
 from distill_kit.training.loop import Trainer
 from distill_kit.training.nonfinite import NonFiniteError, NonFiniteSteps, poison_if_not_finite
@@ -334,10 +335,18 @@ class _FullDisk(FakeEngine):
                            "error")
 
 
-def test_a_failed_save_names_the_folder_and_the_free_space(tmp_path):
-    with pytest.raises(OSError, match=r"could not write checkpoint .*\.partial-step_00000004: .*iostream error\. "
-                                      r"[0-9.]+ GB free on the disk of .*free space or choose another"):
+def test_a_failed_save_names_the_folder_the_cause_and_the_free_space(tmp_path, monkeypatch):
+    """One message, no chained tracebacks (``from None``); a full disk says so even when DeepSpeed's C++ writer
+    reports only an iostream error."""
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*\.partial-step_00000004: RuntimeError: "
+                                              r".*iostream error\. [0-9.]+ GB free on the disk of .*free space or "
+                                              r"choose another") as raised:
         save(tmp_path, 4, engine=_FullDisk())
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: 4096)  # the disk filled during the save
+    with pytest.raises(CheckpointError, match=r"partial-step_00000004: no space left on device\. "):
+        save(tmp_path, 4, engine=_FullDisk())
+    monkeypatch.undo()
     save(tmp_path, 5)  # the next save clears what the failed one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
 

@@ -102,8 +102,9 @@ FEATURES = datasets.Features({
     "length": datasets.Value("int32"),
     "counted": datasets.Value("int32"),
     "record": datasets.Value("string"),
-    "teacher": datasets.Value("string"),
 })
+ROUTED_FEATURES = datasets.Features({**FEATURES, "teacher": datasets.Value("string")})
+"""Conversations of a routed run (``combine: route``): each also names its teacher."""
 
 Batch = dict[str, torch.Tensor]
 Message = dict[str, str]
@@ -392,11 +393,12 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
                      stats: ChatStats, teacher_field: str | None = None) -> datasets.Dataset:
     """Validate, render and truncate every record (every error is raised before any training). ``teacher_field``:
     the key naming each record's teacher (``combine: route``), which every record must then have."""
-    chunks, rows = [], {name: [] for name in FEATURES}
+    features = ROUTED_FEATURES if teacher_field else FEATURES
+    chunks, rows = [], {name: [] for name in features}
 
     def flush() -> None:
         if rows["length"]:
-            chunks.append(datasets.Dataset.from_dict(rows, features=FEATURES))
+            chunks.append(datasets.Dataset.from_dict(rows, features=features))
             for values in rows.values():
                 values.clear()
 
@@ -416,14 +418,16 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
         if counted == 0:
             stats.prompts += 1
             stats.first_prompt = stats.first_prompt or where
-        teacher = record_teacher(record, where, teacher_field) if teacher_field else ""
-        for name, value in zip(FEATURES, (ids, labels, len(ids), counted, where, teacher), strict=True):
+        values = (ids, labels, len(ids), counted, where)
+        if teacher_field:
+            values += (record_teacher(record, where, teacher_field),)
+        for name, value in zip(features, values, strict=True):
             rows[name].append(value)
         if len(rows["length"]) >= CHUNK_RECORDS:
             flush()
     flush()
     if not chunks:
-        return datasets.Dataset.from_dict({name: [] for name in FEATURES}, features=FEATURES)
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     return datasets.concatenate_datasets(chunks)
 
 
@@ -731,6 +735,10 @@ class ChatLoader(EpochLoader):
 def teacher_ids(dataset: datasets.Dataset, names: Sequence[str]) -> list[int]:
     """Each conversation's teacher as its index in ``names``; a name no teacher has is a ``DataError`` naming the
     record and the teachers there are."""
+    if "teacher" not in dataset.column_names:
+        raise ConfigError("combine: route sends each conversation to its teacher, and these conversations name none: "
+                          "build them with chat.build_splits(..., route=True) from records that name their teacher "
+                          "(data.teacher_field)")
     index = {name: i for i, name in enumerate(names)}
     ids = []
     for teacher, where in zip(dataset["teacher"], dataset["record"], strict=True):

@@ -27,7 +27,7 @@ from distill_kit.distiller import Distiller
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.engines.models import check_tokenizers
-from distill_kit.errors import ConfigError
+from distill_kit.errors import CheckpointError, ConfigError
 from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
@@ -409,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"config error: {err}") from None
     except blocks.DataError as err:  # e.g. a stream with too few blocks, found once it is read
         raise SystemExit(f"data error: {err}") from None
+    except CheckpointError as err:  # e.g. a disk that filled during a save: the cause, the space, the fix
+        raise SystemExit(f"checkpoint error: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)

@@ -30,6 +30,7 @@ types of :data:`DEEPSPEED_GLOBALS`. What still needs trust is listed in the READ
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -53,6 +54,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from distill_kit.engines import distributed, peft_student
+from distill_kit.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ DEEPSPEED_TAG = "deepspeed"
 FORMAT = 2
 """2: each rank's state as JSON + safetensors. 1: as a pickle (``rank*.pt``), read only with weights_only."""
 TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
+FULL_DISK_BYTES = 16 << 20  # below this a failed write is a full disk, whatever the writer said
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
 DEEPSPEED_GLOBALS: list[Any] = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
 """What DeepSpeed 0.19's engine files hold besides tensors and containers (its ZeRO optimizer states: a loss-scaler
@@ -272,10 +275,10 @@ def save(
                 engine.save_checkpoint(str(partial), tag=folder, save_latest=False)
         partial.mkdir(parents=True, exist_ok=True)
         _write_rank_state(partial, distributed.rank(), rank_state)
-    except (OSError, RuntimeError) as err:  # DeepSpeed's C++ writer says only "basic_ios::clear: iostream error"
-        raise OSError(f"could not write checkpoint {partial}: {err}. {disk_space(directory)}; free space or "
-                      "choose another training.checkpoint_dir, then resume (--resume) from the last checkpoint "
-                      "(the unfinished one is cleared).") from err
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"could not write checkpoint {partial}: {write_failure(err, directory)}. "
+                              f"{disk_space(directory)}; free space or choose another training.checkpoint_dir, then "
+                              "resume (--resume) from the last checkpoint (the unfinished one is cleared).") from None
     frozen = _frozen_bases(engines)
     distributed.barrier()  # every rank's files are on disk
     if distributed.is_main():
@@ -332,12 +335,26 @@ def remove_leftovers(directory: str | Path) -> None:
             shutil.rmtree(leftover)
 
 
+def write_failure(err: BaseException, directory: str | Path) -> str:
+    """Why a write failed, in words: a full disk says so even when DeepSpeed's C++ writer reports only
+    "basic_ios::clear: iostream error" (no errno), judged by the space left."""
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or _free_bytes(directory) < FULL_DISK_BYTES
+    return "no space left on device" if full else f"{type(err).__name__}: {err}"
+
+
+def _free_bytes(directory: str | Path) -> int:
+    existing = Path(directory).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
 def disk_space(directory: str | Path) -> str:
     """How much space the disk holding ``directory`` (or its nearest existing parent) has left, in words."""
     existing = Path(directory).absolute()
     while not existing.exists():
         existing = existing.parent
-    return f"{shutil.disk_usage(existing).free / 1e9:.2f} GB free on the disk of {existing}"
+    return f"{_free_bytes(existing) / 1e9:.2f} GB free on the disk of {existing}"
 
 
 def _prune(directory: Path, keep_last: int, written: Path) -> None:

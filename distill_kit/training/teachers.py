@@ -124,7 +124,7 @@ class Teachers:
     def mixture(self, outputs: Any) -> Any:
         """What evaluation compares a student with: the one teacher (or each row's own, routed), or the teachers'
         weighted mixture at temperature 1 (vocabularies cut to the smallest)."""
-        if not isinstance(outputs, Mapping):
+        if type(outputs) is not dict:  # one output (a ModelOutput is a dict subclass), or routed rows
             return outputs
         total = sum(spec.weight for spec in self.specs.values())
         vocab = min(out.logits.shape[-1] for out in outputs.values())
