@@ -85,9 +85,12 @@ def test_tiny_run_end_to_end(tiny, tmp_path, ranks):
     """1 rank under plain python, 2 ranks under the deepspeed launcher: report, curves, exported students."""
     out = tmp_path / "run"
     if ranks:  # streamed data: every rank must still run the same number of micro-batches
-        done = run_ranks(ROOT / "tests/workers/cli_run.py", [*_run_args(tiny, out), "data.streaming=true"], nprocs=2,
-                         launcher="deepspeed")
+        # and research code's Distiller subclass, by import path: the CLI runs it with everything else unchanged
+        done = run_ranks(ROOT / "tests/workers/cli_run.py", [*_run_args(tiny, out), "data.streaming=true",
+                                                              "distiller=tests.user_distillers:MarkedDistiller"],
+                         nprocs=2, launcher="deepspeed")
         assert done.stdout.count("process group destroyed before exit") == 2  # and every rank exited 0
+        assert all(r["distilled/subclass"] == 1.0 for r in _jsonl(out / "train.jsonl"))  # the subclass's hook ran
     else:
         # A start that fails (here: a record that is not text, found only when the data is read) claims nothing:
         # the same command, fixed, then runs in that folder.
@@ -267,3 +270,16 @@ def test_too_little_data_is_a_config_error_and_claims_nothing(tiny, tmp_path):
     message = _main_error(*_run_args(tiny, out), "data.max_train_blocks=1")
     assert "data: the dataset has 1 blocks but one global batch needs world_size (1) x micro_batch_size (2)" in message
     assert not (out / "run_identity.json").exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("tests.user_distillers", "distiller: 'tests.user_distillers' is not an import path; write 'pkg.module:Class'"),
+    ("tests.no_such_module:X", "distiller: cannot import 'tests.no_such_module:X'"),
+    ("tests.user_distillers:NotADistiller", "is not a subclass of distill_kit.Distiller; subclass it"),
+])
+def test_a_distiller_that_cannot_run_is_a_config_error_before_any_work(tmp_path, value, message):
+    config = run_config.load(None, [f"distiller={value}", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(run_config.ConfigError, match=re.escape(message)):
+        cli.distiller_class(config)
+    assert cli.distiller_class(run_config.load(None, ["distiller=tests.user_distillers:MarkedDistiller"])).__name__ \
+        == "MarkedDistiller"
