@@ -25,7 +25,7 @@ Trust: this module writes and reads its own state only as JSON and safetensors, 
 loaded (a checkpoint of the older pickle format is read with ``torch.load(weights_only=True)``). The engines' own
 files under ``deepspeed/`` (or ``<name>/``) are DeepSpeed's pickles, which DeepSpeed 0.19 reads with
 ``torch.load(weights_only=False)``; :func:`load` swaps that for ``weights_only=True`` allowing only the plain
-types of :data:`DEEPSPEED_GLOBALS`. What still needs trust is listed in the README.
+types of ``safe_load.DEEPSPEED_GLOBALS`` (``training/safe_load.py``). What still needs trust: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,13 +47,10 @@ import numpy as np
 import safetensors.torch
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from distill_kit.engines import distributed, peft_student
 from distill_kit.errors import CheckpointError
+from distill_kit.training import safe_load
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +65,6 @@ FORMAT = 2
 TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
 FULL_DISK_BYTES = 16 << 20  # below this a failed write is a full disk, whatever the writer said
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
-DEEPSPEED_GLOBALS: list[Any] = [LossScaler, DynamicLossScaler, fragment_address, ZeroStageEnum]
-"""What DeepSpeed 0.19's engine files hold besides tensors and containers (its ZeRO optimizer states: a loss-scaler
-record, the address of each parameter fragment, the ZeRO stage): plain data types, so that :func:`load` reads the
-engines' files with ``torch.load(weights_only=True)`` allowing only these. A file that needs another type is
-refused, naming it; a type you know to be plain data can be appended here."""
 Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
 """One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
 
@@ -218,18 +209,7 @@ def _read_rank_state(directory: Path, rank: int, format_: int) -> dict[str, Any]
     if format_ >= 2:
         tensors = safetensors.torch.load_file(str(directory / _rank_file(rank, ".safetensors")))
         return _decode(json.loads((directory / _rank_file(rank)).read_text()), tensors)
-    path = directory / _rank_file(rank, ".pt")
-    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 renamed the module
-    numpy_state = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), reconstruct,
-                   (reconstruct, "numpy.core.multiarray._reconstruct")]  # as a numpy 1 pickle names it
-    try:
-        with torch.serialization.safe_globals(numpy_state):
-            state = torch.load(path, weights_only=True)
-    except Exception as err:  # pickle raises many types; each means "not plain state"
-        raise ValueError(f"refusing {path}: it holds more than plain state and could run code when loaded "
-                         f"({str(err).splitlines()[0]}). Resume only checkpoints you trust; this one was not "
-                         "written by distill-kit as it is.") from None
-    return state
+    return safe_load.pickled_rank_state(directory / _rank_file(rank, ".pt"))
 
 
 # ---- writing ---------------------------------------------------------------------------------------------
@@ -498,7 +478,7 @@ def load(
     problems = [p for p in distributed.all_gather_object(problem) if p is not None]
     if problems:  # every rank stops together, none is left waiting in the engines' collectives
         raise ValueError(problems[0])
-    with _weights_only(engines.values()):
+    with safe_load.weights_only(engines.values()):
         for folder, engine in engines.items():
             loaded, _ = engine.load_checkpoint(str(path), tag=folder,
                                                **({"load_module_strict": False} if folder in frozen else {}))
@@ -506,31 +486,3 @@ def load(
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path / folder}")
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     return trainer_state, rank_state
-
-
-def _load_weights_only(path: str, map_location: Any = None) -> Any:
-    """DeepSpeed's ``TorchCheckpointEngine.load``, without pickle's power to run code (see DEEPSPEED_GLOBALS)."""
-    try:
-        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"refusing DeepSpeed checkpoint file {path}: it holds more than tensors and plain data, and loading it "
-            f"could run code ({str(err).splitlines()[0]}). If you wrote it and the type it names is plain data, "
-            "append that type to distill_kit.training.checkpoint.DEEPSPEED_GLOBALS."
-        ) from None
-
-
-@contextmanager
-def _weights_only(engines: Iterable[Any]) -> Iterator[None]:
-    """While loading, the engines read their files through :func:`_load_weights_only` (DeepSpeed's own
-    ``TorchCheckpointEngine`` unpickles them with ``weights_only=False``); other checkpoint engines are left."""
-    patched = [e.checkpoint_engine for e in engines
-               if isinstance(getattr(e, "checkpoint_engine", None), TorchCheckpointEngine)]
-    for checkpoint_engine in patched:
-        checkpoint_engine.load = _load_weights_only
-    try:
-        yield
-    finally:
-        for checkpoint_engine in patched:
-            del checkpoint_engine.load
