@@ -2,7 +2,7 @@
 
 Users write configs the way DeepSpeed and Accelerate document them: JSON or HJSON with trailing commas
 and ``"auto"`` values. Here they are loaded, every ``"auto"`` is filled from the run's
-:class:`~distill_kit.training.config.TrainingConfig` and the model's hidden size (the same rules transformers
+:class:`~distill_kit.config.TrainingConfig` and the model's hidden size (the same rules transformers
 uses), and every config is checked against the run (below). Every problem is gathered and
 reported at once, each with its fix, because DeepSpeed itself silently ignores misplaced keys such as
 ``"zero_optimization.stage3_prefetch_bucket_size"`` written at the top level.

@@ -33,16 +33,14 @@ import importlib.util
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from distill_kit.config import Precision  # noqa: F401 - the setting's choices, re-exported
+from distill_kit.engines import models
 from distill_kit.errors import ConfigError
-
-if TYPE_CHECKING:
-    from distill_kit.engines import models
 
 Backend = Literal["torchao", "fake"]
 FP8_DTYPE = torch.float8_e4m3fn
@@ -85,8 +83,6 @@ def check_teacher(precision: str, dtype: str, source: models.ModelSource, key: s
                   backend: Backend = "torchao") -> None:
     """A ``ConfigError`` before loading if the teacher cannot run in FP8 here: the device, a layer torchao does not
     cover, or a size no GPU here holds (judged on the model built without storage)."""
-    from distill_kit.engines import models  # here: training/config.py imports this module, and models imports it
-
     if resolve(precision, dtype) != "fp8":  # the name itself is checked with the config (TrainingConfig)
         return
     if backend == "torchao" and (reason := why_no_fp8_device()):
@@ -272,8 +268,6 @@ def load(source: models.ModelSource | Any, device: torch.device, *, need_attenti
     """
     from accelerate.utils import set_module_tensor_to_device
 
-    from distill_kit.engines import models
-
     if isinstance(source, nn.Module) and is_fp8(source):
         return source  # loaded in FP8 already (a benchmark's shape-only teacher, see benchmarks/bench_step.py)
     if isinstance(source, nn.Module):
@@ -343,8 +337,6 @@ def _finish(model: nn.Module) -> nn.Module:
 def load_teacher(source: models.ModelSource, ds_config: Mapping[str, Any], dtype: str, precision: str,
                  need_attentions: bool, device: torch.device, backend: Backend = "torchao") -> nn.Module:
     """The teacher in the precision asked for: FP8 through :func:`load`, otherwise as ``models.load`` loads it."""
-    from distill_kit.engines import models
-
     if resolve(precision, dtype) == "fp8":
         return load(source, device, need_attentions=need_attentions, backend=backend)
     return models.load(source, ds_config, dtype, need_attentions)
