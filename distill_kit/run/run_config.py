@@ -122,6 +122,10 @@ class RunConfig:
         if self.teacher_block_size is not None and self.teacher_block_size < 2:
             raise ConfigError(f"teacher_block_size: {self.teacher_block_size} teacher tokens per block leave the "
                               "teacher no token to predict; give at least 2 (or null: data.block_size)")
+        if self.task.name is not None and self.training.seed != 0 and self.training.seed not in self.task.seeds:
+            raise ConfigError(f"training.seed: {self.training.seed} is not used by the task benchmark, which runs "
+                              f"every recipe at each of task.seeds {list(self.task.seeds)}; give "
+                              f"--task.seeds '[{self.training.seed}]' instead")
         warmed = [r for r in self.task.recipes if r.startswith("on_policy_")]  # these start with warm_start_steps
         if self.task.name is not None and warmed and self.task.warm_start_steps >= self.training.max_steps:
             raise ConfigError(f"task.warm_start_steps: {self.task.warm_start_steps} SFT steps of training.max_steps "
