@@ -5,16 +5,19 @@ Every recipe starts from the same initial student (the run's first ``students`` 
 
     teacher                 the frozen teacher itself (the ceiling)
     sft                     cross-entropy on the labelled answers (no teacher: the baseline)
-    forward_kl              forward KL to the teacher on the labelled answers (off-policy KD)
     seq_kd                  cross-entropy on the teacher's samples of the unlabelled prompts (sequence-level KD)
-    on_policy_reverse_kl    SFT warm start, then reverse KL on the student's own samples of the prompts (GKD)
-    on_policy_jsd           the same with generalized JSD, beta 0.5
-    on_policy_forward_kl    the same with forward KL (only when named in task.recipes)
+    on_policy_forward_kl    SFT warm start, then forward KL on the student's own samples of the prompts (GKD)
+    forward_kl              forward KL to the teacher on the labelled answers (off-policy KD)      } only when named
+    on_policy_reverse_kl    the on-policy recipe with reverse KL                                   } in task.recipes
+    on_policy_jsd           the same with generalized JSD, beta 0.5                                }
     mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
 
 Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
 metric) and the teacher-student KL on the held-out reference answers; the table gives the share of the
-SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start included).
+SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start included). The whole comparison runs
+once per seed of ``task.seeds`` (as ``training.seed``: the data drawn, the initial student, the batch order and
+the sampling); the table gives each recipe's mean over the seeds, its range and every seed's value, because one
+draw past the task's learning transition says little (docs/tasks.md).
 """
 
 from __future__ import annotations
