@@ -17,7 +17,7 @@ from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.run import run_config
 from distill_kit.tasks import arithmetic
-from distill_kit.tasks.compare import table
+from distill_kit.tasks.compare import aggregate, format_table, table
 from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
 
@@ -64,6 +64,34 @@ def test_gap_closed_is_measured_from_sft_to_teacher():
     assert rows["best"] == "mixed"
 
 
+def test_seeds_aggregate_to_mean_range_and_each_value():
+    """Per recipe: the mean over the seeds, min and max, each seed's value in seed order; gap closed from the means,
+    each seed's own beside it; the per-seed tables kept."""
+    def seed(number, sft, seq_kd):
+        return {"seed": number, "seconds": 1.0, "rows": table([
+            {"recipe": "teacher", "exact_match": 1.0, "answer_kl": 0.0, "train_seconds": 0.0},
+            {"recipe": "sft", "exact_match": sft, "answer_kl": 0.5, "train_seconds": 10.0},
+            {"recipe": "seq_kd", "exact_match": seq_kd, "answer_kl": 0.1 * (number + 1),
+             "train_seconds": 20.0 + number},
+        ])["rows"]}
+
+    summary = aggregate([seed(0, 0.0, 0.5), seed(4, 0.2, 1.0), seed(7, 0.1, 0.3)])
+    assert summary["seeds"] == [0, 4, 7] and [e["seed"] for e in summary["per_seed"]] == [0, 4, 7]
+    teacher, sft, seq_kd = summary["rows"]
+    assert seq_kd["exact_match"] == pytest.approx(0.6)
+    assert (seq_kd["exact_match_min"], seq_kd["exact_match_max"]) == (0.3, 1.0)
+    assert seq_kd["exact_match_per_seed"] == [0.5, 1.0, 0.3]
+    assert seq_kd["answer_kl"] == pytest.approx((0.1 + 0.5 + 0.8) / 3)
+    assert seq_kd["train_seconds"] == pytest.approx((20 + 24 + 27) / 3)
+    assert sft["exact_match"] == pytest.approx(0.1) and teacher["exact_match"] == 1.0
+    assert seq_kd["gap_closed"] == pytest.approx((0.6 - 0.1) / (1.0 - 0.1))
+    assert seq_kd["gap_closed_per_seed"] == pytest.approx([0.5, 1.0, (0.3 - 0.1) / 0.9])
+    assert summary["best"] == "seq_kd"
+    printed = format_table(summary["rows"], summary["seeds"])
+    assert "30.0%-100.0%" in printed and "50.0% 100.0% 30.0%" in printed and "seeds 0,4,7" in printed
+    assert "range" not in format_table(aggregate([seed(0, 0.0, 0.5)])["rows"], [0])  # one seed: the plain table
+
+
 def test_bad_on_policy_settings_are_named():
     with pytest.raises(ValueError, match=r"on_policy.fraction=1.5, on_policy.top_p=0"):
         OnPolicyConfig(fraction=1.5, top_p=0)
@@ -71,6 +99,10 @@ def test_bad_on_policy_settings_are_named():
         run_config.load(None, ["--training.on_policy.sampler", "peer"])
     with pytest.raises(run_config.ConfigError, match="task.recipes: unknown"):
         run_config.load(None, ["--task.recipes", "[sft, rlhf]"])
+    with pytest.raises(run_config.ConfigError, match=r"task.seeds: \[1, 1\]; give one or more distinct"):
+        run_config.load(None, ["--task.seeds", "[1, 1]"])
+    with pytest.raises(run_config.ConfigError, match="training.seed: 5 is not used by the task benchmark"):
+        run_config.load(str(ROOT / "configs/arithmetic.yaml"), ["--training.seed", "5"])
     assert TrainingConfig(on_policy={"fraction": 0.5}).on_policy.fraction == 0.5
 
 
@@ -89,19 +121,27 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_task_comparison_runs_and_writes_the_table(tmp_path):
-    """Four rows, two steps each, on a handful of examples: report.json holds the rows; a second run into the
-    same folder and --resume are refused before any work."""
+    """Three rows at two seeds, two steps each, on a handful of examples: report.json holds the mean rows and each
+    seed's table, each seed's students in its own folder; a second run into the same folder and --resume are
+    refused before any work."""
     args = [str(SCRIPT), "--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(tmp_path / "run"),
             "--training.max_steps", "2", "--training.micro_batch_size", "4", "--task.labelled", "8",
             "--task.prompts", "8", "--task.heldout", "8", "--task.warm_start_steps", "1",
-            "--task.recipes", "[teacher, sft, on_policy_reverse_kl, on_policy_forward_kl]"]
+            "--task.recipes", "[teacher, sft, on_policy_forward_kl]", "--task.seeds", "[0, 1]"]
     done = _run(args, 600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert [r["recipe"] for r in report["rows"]] == ["teacher", "sft", "on_policy_reverse_kl", "on_policy_forward_kl"]
+    assert [r["recipe"] for r in report["rows"]] == ["teacher", "sft", "on_policy_forward_kl"]
+    assert report["seeds"] == [0, 1] and [e["seed"] for e in report["per_seed"]] == [0, 1]
     assert report["rows"][0]["exact_match"] == 1.0  # the shipped teacher solves the held-out prompts
-    assert all("gap_closed" in r and r["answer_kl"] >= 0 for r in report["rows"])
-    assert report["seconds"] >= sum(r["train_seconds"] for r in report["rows"][:2])
+    for row in report["rows"]:
+        values = [next(r for r in e["rows"] if r["recipe"] == row["recipe"])["exact_match"] for e in report["per_seed"]]
+        assert row["exact_match_per_seed"] == values and row["exact_match"] == pytest.approx(sum(values) / 2)
+        assert (row["exact_match_min"], row["exact_match_max"]) == (min(values), max(values))
+        assert "gap_closed" in row and row["answer_kl"] >= 0
+    assert report["seconds"] >= sum(e["seconds"] for e in report["per_seed"])
+    assert all((tmp_path / "run" / f"seed_{s}" / "students" / "sft" / "config.json").is_file() for s in (0, 1))
+    assert "range" in done.stdout and "seeds 0,1" in done.stdout
     again = _run(args, 300)
     assert again.returncode != 0 and "already holds a report.json" in again.stderr
     resumed = _run([*args, "--resume"], 300)

@@ -5,16 +5,19 @@ Every recipe starts from the same initial student (the run's first ``students`` 
 
     teacher                 the frozen teacher itself (the ceiling)
     sft                     cross-entropy on the labelled answers (no teacher: the baseline)
-    forward_kl              forward KL to the teacher on the labelled answers (off-policy KD)
     seq_kd                  cross-entropy on the teacher's samples of the unlabelled prompts (sequence-level KD)
-    on_policy_reverse_kl    SFT warm start, then reverse KL on the student's own samples of the prompts (GKD)
-    on_policy_jsd           the same with generalized JSD, beta 0.5
-    on_policy_forward_kl    the same with forward KL (only when named in task.recipes)
+    on_policy_forward_kl    SFT warm start, then forward KL on the student's own samples of the prompts (GKD)
+    forward_kl              forward KL to the teacher on the labelled answers (off-policy KD)      } only when named
+    on_policy_reverse_kl    the on-policy recipe with reverse KL                                   } in task.recipes
+    on_policy_jsd           the same with generalized JSD, beta 0.5                                }
     mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
 
 Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
 metric) and the teacher-student KL on the held-out reference answers; the table gives the share of the
-SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start included).
+SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start included). The whole comparison runs
+once per seed of ``task.seeds`` (as ``training.seed``: the data drawn, the initial student, the batch order and
+the sampling); the table gives each recipe's mean over the seeds, its range and every seed's value, because one
+draw past the task's learning transition says little (docs/tasks.md).
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def chat_split(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
 
 
 def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: bool = False) -> dict[str, Any]:
-    """Every recipe in ``config.task.recipes``; writes ``<output_dir>/report.json`` and returns its summary.
+    """Every recipe in ``config.task.recipes`` at every seed in ``config.task.seeds``; writes
+    ``<output_dir>/report.json`` and returns its summary: per recipe the mean over the seeds, the range and each
+    seed's value (:func:`aggregate`), and each seed's own table.
 
     ``prepare_student`` is the CLI's (``run/cli.py``): the student the run config describes, built or cut from the
     teacher as a training run would (passed in, so the CLI and this module do not import each other)."""
@@ -81,6 +86,27 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
     if (out / "report.json").exists():
         raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    per_seed = []
+    for seed in task.seeds:  # each seed is a whole run of its own: training.seed drives its data, init and sampling
+        started = time.perf_counter()
+        seeded = dataclasses.replace(config, output_dir=str(out / f"seed_{seed}"),
+                                     training=dataclasses.replace(config.training, seed=seed))
+        rows = table(run_seed(seeded, prepare_student, tokenizer))["rows"]
+        per_seed.append({"seed": seed, "rows": rows, "seconds": time.perf_counter() - started})
+        logger.info("seed %d done in %.0fs", seed, per_seed[-1]["seconds"])
+    summary = aggregate(per_seed)
+    summary["seconds"] = time.perf_counter() - began  # the whole comparison: data, every recipe, evaluation
+    summary["config"] = to_dict(config)
+    (out / "report.json").write_text(json.dumps(summary, indent=2))
+    print(format_table(summary["rows"], summary["seeds"]))
+    print(f"whole comparison ({len(task.seeds)} seed(s)): {summary['seconds']:.0f} s; report: {out / 'report.json'}")
+    return summary
+
+
+def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tokenizer) -> list[dict[str, Any]]:
+    """One seed's rows: data drawn, student initialised and batches shuffled from ``config.training.seed``; the
+    run's files go under ``config.output_dir``."""
+    task, out = config.task, Path(config.output_dir)
     init = prepare_student(config.students[0], config, tokenizer).model
     seeds = arithmetic.split_seeds(config.training.seed)
     labelled = list(arithmetic.examples(seeds["labelled"], task.labelled))
@@ -153,13 +179,7 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
         distiller = train(name, start, loss, batches, steps - warm_steps, sampler)
         rows.append(score(name, distiller, seconds + time.perf_counter() - started))
         distiller.student_model.save_pretrained(out / "students" / name)  # to read its answers afterwards
-    summary = table(rows)
-    summary["seconds"] = time.perf_counter() - began  # the whole comparison: data, every recipe, evaluation
-    summary["config"] = to_dict(config)
-    (out / "report.json").write_text(json.dumps(summary, indent=2))
-    print(format_table(summary["rows"]))
-    print(f"whole comparison: {summary['seconds']:.0f} s; report: {out / 'report.json'}")
-    return summary
+    return rows
 
 
 def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,10 +193,41 @@ def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rows": rows, "best": best["recipe"] if best else None}
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'recipe':<22}{'exact match':>12}{'gap closed':>12}{'answer KL':>11}{'seconds':>9}"]
+def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each recipe over the seeds: its mean exact match, the range (``exact_match_min``/``_max``) and every seed's
+    value (``exact_match_per_seed``, in the order of ``seeds``); mean answer KL and train seconds; the gap closed
+    from the mean accuracies (:func:`table`), with each seed's own gap closed beside it. ``per_seed`` keeps each
+    seed's table as run."""
+    seeds = [entry["seed"] for entry in per_seed]
+    names = [row["recipe"] for row in per_seed[0]["rows"]]
+    rows = []
+    for name in names:
+        found = [next(r for r in entry["rows"] if r["recipe"] == name) for entry in per_seed]
+        values = [r["exact_match"] for r in found]
+        row = {"recipe": name, "exact_match": sum(values) / len(values), "exact_match_min": min(values),
+               "exact_match_max": max(values), "exact_match_per_seed": values,
+               "answer_kl": sum(r["answer_kl"] for r in found) / len(found),
+               "train_seconds": sum(r["train_seconds"] for r in found) / len(found)}
+        if all("gap_closed" in r for r in found):
+            row["gap_closed_per_seed"] = [r["gap_closed"] for r in found]
+        rows.append(row)
+    summary = table(rows)
+    return {"seeds": seeds, "rows": summary["rows"], "best": summary["best"], "per_seed": per_seed}
+
+
+def format_table(rows: list[dict[str, Any]], seeds: list[int] | None = None) -> str:
+    """The printed table: mean exact match over the seeds, its range and each seed's value when there are several."""
+    several = seeds is not None and len(seeds) > 1
+    head = f"{'recipe':<22}{'exact match':>12}"
+    if several:
+        head += f"{'range':>15}  {'seeds ' + ','.join(map(str, seeds)):<24}"
+    lines = [head + f"{'gap closed':>12}{'answer KL':>11}{'seconds':>9}"]
     for row in rows:
         gap = f"{row['gap_closed']:.0%}" if "gap_closed" in row else "-"
-        lines.append(f"{row['recipe']:<22}{row['exact_match']:>12.1%}{gap:>12}{row['answer_kl']:>11.4f}"
-                     f"{row['train_seconds']:>9.0f}")
+        line = f"{row['recipe']:<22}{row['exact_match']:>12.1%}"
+        if several:
+            spread = f"{row['exact_match_min']:.1%}-{row['exact_match_max']:.1%}"
+            values = " ".join(f"{v:.1%}" for v in row["exact_match_per_seed"])
+            line += f"{spread:>15}  {values:<24}"
+        lines.append(line + f"{gap:>12}{row['answer_kl']:>11.4f}{row['train_seconds']:>9.0f}")
     return "\n".join(lines)
