@@ -2,8 +2,9 @@
 
 Two shipped tasks, each with its own teacher (one character tokenizer): ``arithmetic`` (running sums,
 ``distill_kit/assets/arithmetic/teacher``) and ``sorting`` (eight digits in ascending order,
-``distill_kit/assets/sorting/teacher``). Each task gives ``--labelled`` answered prompts, ``--prompts`` prompts without
-answers and ``--heldout`` held-out prompts; every chat record names its task's teacher under ``teacher``. Every row
+``distill_kit/assets/sorting/teacher``). Each task gives ``--labelled`` answered prompts, prompts without answers
+(``--prompts``: arithmetic's and sorting's, 3:1, as the harder task needs the more steps) and ``--heldout`` held-out
+prompts; every chat record names its task's teacher under ``teacher``. Every row
 starts from the same initial student (one shape) and takes the same ``--steps`` steps of ``--micro-batch`` rows::
 
     teacher:<name>       the teacher alone, on both tasks (no training: the ceilings, and what a teacher knows of
@@ -47,14 +48,15 @@ ROWS = ("teachers", "sft", "only_arithmetic", "only_sorting", "routed")
 ROUTE = list(TASKS)
 
 
-def write_data(out: Path, seed: int, labelled: int, prompts: int, heldout: int) -> tuple[dict[str, Path], dict]:
-    """Both tasks' records, each naming its task's teacher: labelled (answered), prompts, held-out (answered)."""
+def write_data(out: Path, seed: int, labelled: int, prompts: list[int], heldout: int) -> tuple[dict[str, Path], dict]:
+    """Both tasks' records, each naming its task's teacher: labelled (answered), prompts (``prompts``: each task's
+    count, in TASKS' order), held-out (answered)."""
     files, items = {}, {}
-    for split, count in (("labelled", labelled), ("prompts", prompts), ("heldout", heldout)):
+    for split, counts in (("labelled", [labelled] * 2), ("prompts", prompts), ("heldout", [heldout] * 2)):
         path = out / "data" / f"{split}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as handle:
-            for name, task in TASKS.items():
+            for (name, task), count in zip(TASKS.items(), counts, strict=True):
                 drawn = list(task.examples(task.split_seeds(seed)[split], count))
                 items[name, split] = drawn
                 for item in drawn:
@@ -76,9 +78,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--labelled", type=int, default=300, help="answered prompts per task")
-    parser.add_argument("--prompts", type=int, default=10000, help="prompts without answers per task")
+    parser.add_argument("--prompts", type=int, nargs=2, default=[15000, 5000], metavar=("ARITHMETIC", "SORTING"),
+                        help="prompts without answers of each task; their ratio is each task's share of the distilled "
+                             "rows' micro-batches (arithmetic, the harder, gets 3/4)")
     parser.add_argument("--heldout", type=int, default=500, help="held-out prompts per task")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--warm-start-steps", type=int, default=50)
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
