@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -13,7 +13,8 @@ from distill_kit.tasks import arithmetic
 @torch.no_grad()
 def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32,
                      batch_size: int = 250) -> list[str]:
-    """The model's greedy completion of each prompt, decoded up to its end token."""
+    """The model's greedy completion of each prompt (any task's items: a ``prompt`` string), decoded up to its end
+    token."""
     was_training = model.training
     model.eval()
     answers = []
@@ -34,11 +35,13 @@ def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Exa
     return answers
 
 
-def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32) -> float:
-    """Share of prompts whose greedy answer the checker accepts."""
+def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32,
+                check: Callable[[str, str], bool] = arithmetic.check) -> float:
+    """Share of prompts whose greedy answer the task's checker accepts (``check(prompt, answer)``; items of another
+    task, e.g. ``sorting``, with its ``check``)."""
     from distill_kit.training.evaluation import load_metric
 
     answers = generate_answers(model, tokenizer, items, max_new_tokens)
     metric = load_metric("exact_match")
-    return metric.compute(predictions=[arithmetic.check(i.prompt, a) for i, a in zip(items, answers, strict=True)],
+    return metric.compute(predictions=[check(i.prompt, a) for i, a in zip(items, answers, strict=True)],
                           references=[True] * len(items))["exact_match"]
