@@ -19,11 +19,13 @@ characters. The measured comparison is in the README ("On-policy distillation an
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 STEPS = 3
 SPECIAL = {"pad": "<pad>", "eos": "<|end|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -63,11 +65,13 @@ def example(rng: random.Random) -> Example:
 
 def examples(seed: int, count: int | None = None) -> Iterator[Example]:
     """``count`` examples (None: forever) from ``seed``; different seeds give independent streams."""
+    return stream(example, seed, count)
+
+
+def stream(make: Callable[[random.Random], Any], seed: int, count: int | None = None) -> Iterator[Any]:
+    """A task's examples: ``make(rng)`` ``count`` times (None: forever) from one generator seeded by ``seed``."""
     rng = random.Random(seed)
-    produced = 0
-    while count is None or produced < count:
-        yield example(rng)
-        produced += 1
+    return (make(rng) for _ in (itertools.count() if count is None else range(count)))
 
 
 def check(prompt: str, completion: str) -> bool:

@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from distill_kit.tasks.arithmetic import build_tokenizer, encode, messages, write_jsonl
+from distill_kit.tasks.arithmetic import build_tokenizer, encode, messages, stream, write_jsonl
 
 __all__ = ["DIGITS", "Example", "build_tokenizer", "check", "encode", "example", "examples", "messages",
            "split_seeds", "write_jsonl"]
@@ -41,11 +41,7 @@ def example(rng: random.Random) -> Example:
 
 def examples(seed: int, count: int | None = None) -> Iterator[Example]:
     """``count`` examples (None: forever) from ``seed``; different seeds give independent streams."""
-    rng = random.Random(seed)
-    produced = 0
-    while count is None or produced < count:
-        yield example(rng)
-        produced += 1
+    return stream(example, seed, count)
 
 
 def check(prompt: str, completion: str) -> bool:
