@@ -69,6 +69,12 @@ def plain_kl(student: torch.nn.Module, teacher: torch.nn.Module, batch: dict, re
     return ((p * (log_p - log_q)).sum(-1) * valid).sum(), int(valid.sum())
 
 
+def plain_adamw(params, training) -> torch.optim.Optimizer:
+    """The plain-PyTorch references' optimizer: torch's AdamW with the run's settings (``training``: TrainingConfig)."""
+    return torch.optim.AdamW(params, lr=training.lr, betas=training.betas, eps=training.eps,
+                             weight_decay=training.weight_decay)
+
+
 def plain_step(opt: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float) -> float:
     """One optimizer step of a plain-PyTorch reference: backward, clip the global norm, step; the loss's value."""
     opt.zero_grad()

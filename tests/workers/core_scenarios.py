@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, plain_kl, plain_step, saved_pair, write  # noqa: E402
+from rank_results import gathered, plain_adamw, plain_kl, plain_step, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
@@ -54,8 +54,7 @@ def reference_student(student_dir: Path, teacher_dir: Path, all_batches: list[di
     at lr ``lrs[s]``, in ``dtype`` (float64: the trajectory with float32's rounding taken out)."""
     student = GPT2LMHeadModel.from_pretrained(student_dir).to(dtype)
     teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
-    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                            weight_decay=TRAINING.weight_decay)
+    opt = plain_adamw(student.parameters(), TRAINING)
     losses = []
     for s in range(STEPS):
         for group in opt.param_groups:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, plain_step, write  # noqa: E402
+from rank_results import gathered, plain_adamw, plain_step, write  # noqa: E402
 from tiny_models import gpt2_config  # noqa: E402
 from tiny_tokenizers import bpe  # noqa: E402
 
@@ -96,8 +96,7 @@ def main(out: Path, uld_weight: float, name: str) -> None:
         teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
         initial = [p.detach().clone() for p in student.parameters()]
         loss = build_loss(loss_spec, vocab_map=vocab_map).to(dtype)
-        opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                                weight_decay=TRAINING.weight_decay)
+        opt = plain_adamw(student.parameters(), TRAINING)
         losses = []
         for s in range(STEPS):
             step = all_batches[s * world * GAS:(s + 1) * world * GAS]

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, plain_kl, plain_step, saved_pair, write  # noqa: E402
+from rank_results import gathered, max_diff, plain_adamw, plain_kl, plain_step, saved_pair, write  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
@@ -93,8 +93,7 @@ def reverse_kl_reference(student_dir: Path, teacher_dir: Path, made: list[list[d
     step's micro-batches and ranks and divided by their token count; AdamW, clipping as the engine does."""
     student = GPT2LMHeadModel.from_pretrained(student_dir)
     teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).eval()
-    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                            weight_decay=TRAINING.weight_decay)
+    opt = plain_adamw(student.parameters(), TRAINING)
     losses, mismatched = [], 0
     for s in range(STEPS):
         step = [b for rank in made for b in rank[s * GAS:(s + 1) * GAS]]

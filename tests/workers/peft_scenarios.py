@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import plain_kl, plain_step, saved_model, saved_pair, write  # noqa: E402
+from rank_results import plain_adamw, plain_kl, plain_step, saved_model, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
@@ -54,8 +54,7 @@ def reference(student_dir: Path, teacher_dir: Path, start: dict[str, torch.Tenso
                 param.copy_(start[name])
     teacher = GPT2LMHeadModel.from_pretrained(teacher_dir).to(dtype).eval()
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                            weight_decay=TRAINING.weight_decay)
+    opt = plain_adamw(trained, TRAINING)
     losses = []
     for s in range(STEPS):
         total, tokens = 0.0, 0

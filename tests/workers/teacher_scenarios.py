@@ -14,7 +14,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, plain_step, saved_model, saved_pair, write  # noqa: E402
+from rank_results import gathered, max_diff, plain_adamw, plain_step, saved_model, saved_pair, write  # noqa: E402
 from tiny_models import random_batches  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
@@ -87,8 +87,7 @@ def routed_reference(student_dir: Path, teachers: list[Path], all_batches: list[
     row's forward KL against the teacher its ``teacher_id`` names, per token of the whole step."""
     student = GPT2LMHeadModel.from_pretrained(student_dir).to(dtype)
     models = [GPT2LMHeadModel.from_pretrained(path).to(dtype).eval() for path in teachers]
-    opt = torch.optim.AdamW(student.parameters(), lr=TRAINING.lr, betas=TRAINING.betas, eps=TRAINING.eps,
-                            weight_decay=TRAINING.weight_decay)
+    opt = plain_adamw(student.parameters(), TRAINING)
     losses = []
     for s in range(STEPS):
         for group in opt.param_groups:
