@@ -37,11 +37,16 @@ CHOICES = ("none", "liger", "compile", "auto")
 Precision = Literal["auto", "bf16", "fp8"]
 
 
-def _check_kernels(choice: str, key: str) -> None:
-    """What can be checked before any model exists: the name, and that Liger is installed if asked for."""
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def check_kernels(choice: str, key: str) -> None:
+    """What can be checked before any model exists: the name, and that Liger is installed if asked for (the
+    architecture is ``engines/kernels.py``'s ``check_model_type``)."""
     if choice not in CHOICES:
         raise ValueError(f"{key} {choice!r} is not one of {', '.join(CHOICES)}")
-    if choice == "liger" and importlib.util.find_spec("liger_kernel") is None:
+    if choice == "liger" and not liger_installed():
         raise ValueError(f"{key} 'liger' needs liger-kernel: pip install 'distill-kit[liger]' (or liger-kernel), "
                          "or set it to 'none' or 'compile'")
 
@@ -194,7 +199,7 @@ class TrainingConfig:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid training settings: {values}")
         for key in ("teacher_kernels", "student_kernels"):
-            _check_kernels(getattr(self, key), f"training.{key}")
+            check_kernels(getattr(self, key), f"training.{key}")
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)

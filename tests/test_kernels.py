@@ -5,6 +5,7 @@ import pytest
 from tiny_models import gpt2_config
 from transformers import GPT2LMHeadModel
 
+from distill_kit import config
 from distill_kit.config import TrainingConfig
 from distill_kit.engines import kernels
 from distill_kit.errors import ConfigError
@@ -13,7 +14,7 @@ from distill_kit.errors import ConfigError
 def test_unknown_choice_and_missing_liger_are_config_errors(monkeypatch):
     with pytest.raises(ValueError, match="teacher_kernels 'fast' is not one of none, liger, compile, auto"):
         TrainingConfig(teacher_kernels="fast")
-    monkeypatch.setattr(kernels, "liger_installed", lambda: False)
+    monkeypatch.setattr(config, "liger_installed", lambda: False)
     with pytest.raises(ValueError, match=r"student_kernels 'liger' needs liger-kernel: pip install 'distill-kit\["):
         TrainingConfig(student_kernels="liger")
     with pytest.raises(ConfigError, match="needs liger-kernel"):
@@ -28,7 +29,7 @@ def test_liger_patches_the_instance_with_its_own_function_and_refuses_other_arch
                    fused_linear_cross_entropy=True):
         calls.append((model, rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy))
 
-    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(config, "liger_installed", lambda: True)
     monkeypatch.setattr(kernels, "_liger_patchers", lambda: {"gpt2": patch_gpt2, "qwen2": patch_gpt2})
     model = GPT2LMHeadModel(gpt2_config(16, 1))
     assert kernels.apply(model, "liger") == "liger"

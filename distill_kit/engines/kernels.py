@@ -13,14 +13,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from distill_kit.config import CHOICES
+from distill_kit import config
 from distill_kit.errors import ConfigError
 
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
@@ -32,29 +31,16 @@ def _error(message: str) -> ValueError:
     return ConfigError(message)
 
 
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
 def _liger_patchers() -> dict:
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     return MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
-def check(choice: str, key: str = "kernels") -> None:
-    """What can be checked before any model exists: the name, and that Liger is installed if asked for."""
-    if choice not in CHOICES:
-        raise ValueError(f"{key} {choice!r} is not one of {', '.join(CHOICES)}")
-    if choice == "liger" and not liger_installed():
-        raise ValueError(f"{key} 'liger' needs liger-kernel: pip install 'distill-kit[liger]' (or liger-kernel), "
-                         "or set it to 'none' or 'compile'")
-
-
 def check_model_type(choice: str, model_type: str | None, key: str = "kernels") -> None:
     """Before loading: a ``ConfigError`` if ``choice`` cannot be had for this architecture."""
     try:
-        check(choice, key)
+        config.check_kernels(choice, key)
     except ValueError as err:
         raise _error(str(err)) from None
     if choice == "liger" and model_type not in _liger_patchers():
@@ -67,7 +53,7 @@ def resolve(choice: str, model: nn.Module, key: str = "kernels") -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     check_model_type(choice, model_type, key)
     if choice == "auto":
-        usable = torch.cuda.is_available() and liger_installed() and model_type in _liger_patchers()
+        usable = torch.cuda.is_available() and config.liger_installed() and model_type in _liger_patchers()
         return "liger" if usable else "none"
     if choice == "compile" and not _decoder_layers(model):
         raise _error(f"{key} 'compile' found no decoder layers in {type(model).__name__} (none of the classes in its "
