@@ -88,7 +88,7 @@ class Distiller(Trainer):
                               teacher_ds_overrides=teacher_ds_overrides, vocab_map=vocab_map, alone=keyed)
         """What every engine is built from (``training/plan.py``), checked before anything loads."""
         self.teachers = Teachers(teacher_specs, self.plan.teacher_ds_configs, self.training, self.device,
-                                 need_attentions=self.plan.need_attentions)
+                                 need_attentions=self.plan.need_attentions, vocab_size=self.plan.teacher_vocab_size)
         self.teacher = self.teachers.first
         """The first teacher's engine (None without one); ``self.teachers`` holds them all."""
         self.students: dict[str, Student] = {

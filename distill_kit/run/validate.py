@@ -35,6 +35,7 @@ from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 from distill_kit.training.on_policy import positions as on_policy_positions
 from distill_kit.training.plan import make_plan
+from distill_kit.training.teachers import check_weights
 from losses import registry as loss_registry
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -503,8 +504,6 @@ def check_teachers(config: RunConfig) -> list[str]:
     """``teacher`` or ``teachers`` (not both, not neither); with ``teachers``: well-formed entries (names, models,
     weights), one tokenizer for all, each teacher's folder and DeepSpeed config, and a loss that
     ``combine`` can combine. Reads the config as given (``load`` leaves ``teacher`` out when ``teachers`` is given)."""
-    from distill_kit.training import teachers as multi_teacher  # the Distiller and DeepSpeed: only when needed
-
     if config.teachers is None:
         if config.teacher is None:
             return ["teacher: none given; give teacher: path/to/teacher, or several as teachers: [{name, model, "
@@ -522,7 +521,7 @@ def check_teachers(config: RunConfig) -> list[str]:
                 "or one teacher as teacher: path/to/teacher"]
     try:
         specs = config_specs(TeacherSpec, config.teachers, "teacher")
-        multi_teacher.check_weights(specs)
+        check_weights(specs)
     except ValueError as err:
         return [f"teachers: {err}"]
     if config.combine == "route" and config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":

@@ -39,7 +39,8 @@ class Plan:
     teacher_ds_configs: dict[str, dict[str, Any]]
     """Each teacher's, by teacher name."""
     teacher_vocab_size: int | None
-    """The first teacher's vocabulary, which no student's may exceed (None across tokenizers or without one)."""
+    """The smallest teacher vocabulary (None across tokenizers or without a teacher): no student's may exceed it,
+    and routed rows are compared on it (a teacher's padded vocabulary is cut to it)."""
     adapters: dict[str, Any]
     """Each LoRA student's ``peft.PeftConfig``, by name (``engines/peft_student.py``)."""
     combine: Combine = "sum"
@@ -103,8 +104,11 @@ def make_plan(
         for spec in specs:
             kernels.check_model_type(getattr(training, f"{kind}_kernels"), models.model_type(spec.model),
                                      f"training.{kind}_kernels ({kind} {spec.name!r})")
-    teacher_vocab = (None if vocab_map is not None or not teachers else
-                     getattr(models.model_config(teachers[0].model), "vocab_size", None))
+    # No student's vocabulary may exceed any teacher's (a teacher's padded one is cut by the losses); across
+    # tokenizers the vocabulary map relates them instead.
+    teacher_vocabs = [] if vocab_map is not None else [
+        size for spec in teachers if (size := getattr(models.model_config(spec.model), "vocab_size", None))]
+    teacher_vocab = min(teacher_vocabs, default=None)
     adapters = {}
     for spec in students:
         check_vocabulary(getattr(models.model_config(spec.model), "vocab_size", None), teacher_vocab, spec.name)

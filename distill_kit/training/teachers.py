@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import TeacherSpec, TrainingConfig
-from distill_kit.engines import distributed, fp8, kernels, models
+from distill_kit.engines import distributed, fp8, kernels
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.fingerprint import teacher_fingerprint
 from distill_kit.engines.models import ModelSource
@@ -59,26 +59,25 @@ class Teachers:
     """
 
     def __init__(self, specs: Sequence[TeacherSpec], ds_configs: Mapping[str, Mapping[str, Any]],
-                 training: TrainingConfig, device: torch.device, *, need_attentions: bool = False):
+                 training: TrainingConfig, device: torch.device, *, need_attentions: bool = False,
+                 vocab_size: int | None = None):
+        """``vocab_size``: the smallest teacher vocabulary (the plan's), which routed rows are compared on."""
         self.specs = {spec.name: spec for spec in specs}
         self.ds_configs = dict(ds_configs)
         """Each teacher's DeepSpeed config as its engine was given it, by name."""
         self.engines: dict[str, nn.Module] = {}
+        precision = fp8.resolve(training.teacher_precision, training.dtype)  # checked by the plan
         for spec in specs:
             if isinstance(spec.model, deepspeed.DeepSpeedEngine):  # built already (shared by Distillers): as it is
                 self.engines[spec.name] = spec.model
                 continue
-            precision = fp8.resolve(training.teacher_precision, training.dtype)  # checked by the plan
             model = fp8.load_teacher(spec.model, ds_configs[spec.name], training.dtype, precision, need_attentions,
                                      device)
             kernels.apply(model, fp8.teacher_kernels(training.teacher_kernels, precision), "training.teacher_kernels",
                           liger=teacher_liger(training.on_policy))
             self.engines[spec.name] = build_teacher(model, ds_configs[spec.name], training.dtype, device)
         self._identities: dict[str, str] | None = None
-        sizes = [getattr(models.model_config(spec.model), "vocab_size", None) for spec in specs
-                 if not isinstance(spec.model, deepspeed.DeepSpeedEngine)]
-        self.vocab_size = min((s for s in sizes if s), default=None)
-        """The smallest teacher vocabulary: routed rows are compared on it (a padded one is cut to it)."""
+        self.vocab_size = vocab_size
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -154,15 +153,13 @@ def check_weights(specs: Sequence[TeacherSpec]) -> None:
 
 
 def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None:
-    """Every model with a tokenizer in its directory must have the same vocabulary, before anything loads."""
+    """Every model with a tokenizer in its directory must have the same vocabulary, before anything loads (the
+    vocabulary sizes: ``plan.check_vocabulary``)."""
     from transformers import AutoTokenizer
 
     found = [(name, source) for name, source in [("student", student), *((s.name, s.model) for s in specs)]
              if isinstance(source, str | Path) and (Path(source) / "tokenizer_config.json").is_file()]
     vocabularies = {name: AutoTokenizer.from_pretrained(source).get_vocab() for name, source in found}
-    sizes = {name: models.model_config(source).vocab_size for name, source in
-             [("student", student), *((s.name, s.model) for s in specs)]
-             if getattr(models.model_config(source), "vocab_size", None)}
     for name, vocab in vocabularies.items():
         first, reference = next(iter(vocabularies.items()))
         if vocab != reference:
@@ -171,11 +168,6 @@ def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None
                 "(or the same count with other ids). Every teacher must use the student's tokenizer: logit losses "
                 "compare distributions token id by token id. Drop that teacher or use one with the same tokenizer."
             )
-    student_vocab = sizes.get("student")
-    smaller = {name: size for name, size in sizes.items() if student_vocab and size < student_vocab}
-    if smaller:
-        raise ValueError(f"teachers {smaller} have a smaller vocabulary than the student's ({student_vocab}): they "
-                         "cannot share its tokenizer. Use teachers with the student's tokenizer.")
 
 
 class TeacherEnsembleLoss(DistillationLoss):
