@@ -209,7 +209,10 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.utils.counters.clear()
     history = distiller.train(batches)
+    compiled = dict(torch._dynamo.utils.counters["stats"])  # graphs compiled, and why any frame broke
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     distiller.clock.finish()
     if cuda:
         torch.cuda.synchronize(device)
@@ -224,6 +227,7 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
         "teacher_weights_gib": None if teacher_bytes is None else teacher_bytes / GIB,
         # The first step compiles (torch.compile per decoder layer); what it took beyond a later step's time.
         "first_step_extra_s": (distiller.clock.summary(skip=0)["step_ms_all"][0] - summary["step_ms"]) / 1e3,
+        "dynamo_unique_graphs": compiled.get("unique_graphs", 0), "dynamo_graph_breaks": breaks,
         "mfu_fp8_peak": flops / (args.peak_fp8_tflops * 1e12),
         "tokens_per_step_per_gpu": tokens,
         "tokens_per_s_per_gpu": tokens_per_s,

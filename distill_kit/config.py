@@ -163,7 +163,7 @@ class TrainingConfig:
     SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
     on a GPU where Liger supports the architecture, else none."""
     teacher_precision: Precision = "auto"
-    """The teacher's compute precision: auto (the run's dtype), bf16, or fp8: its decoder layers' linear layers in
+    """The teacher's compute precision: auto (the run's dtype), bf16 (a bf16 run's, named), or fp8: its decoder layers' linear layers in
     FP8 through torchao (row-wise scales), replicated on every rank whatever teacher_ds_config's stage, loaded a layer
     at a time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
     compile."""
@@ -200,6 +200,10 @@ class TrainingConfig:
             raise ValueError(f"invalid training settings: {values}")
         for key in ("teacher_kernels", "student_kernels"):
             check_kernels(getattr(self, key), f"training.{key}")
+        if self.teacher_precision == "bf16" and self.dtype != "bf16":
+            raise ValueError(f"training.teacher_precision 'bf16' with training.dtype {self.dtype!r}: a teacher that "
+                             "is not FP8 runs in the run's dtype; set training.dtype bf16, or teacher_precision "
+                             "auto (the run's dtype) or fp8")
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)

@@ -108,6 +108,10 @@ def test_config_names_and_auto():
     assert fp8.teacher_kernels("auto", "bf16") == "auto"
     with pytest.raises(ValueError, match="teacher_precision='fp4'"):
         TrainingConfig(teacher_precision="fp4")
+    # bf16 names a bf16 run's teacher; in an fp32 run it would silently run in fp32
+    with pytest.raises(ValueError, match="teacher_precision 'bf16' with training.dtype 'fp32'.*set training.dtype"):
+        TrainingConfig(teacher_precision="bf16")
+    assert TrainingConfig(teacher_precision="bf16", dtype="bf16").teacher_precision == "bf16"
 
 
 def test_refusals_before_loading(monkeypatch):

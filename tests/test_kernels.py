@@ -47,3 +47,32 @@ def test_compile_wraps_each_decoder_layer_only():
     compiled = [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
     assert compiled == ["transformer.h.0", "transformer.h.1"]
     assert kernels.apply(GPT2LMHeadModel(gpt2_config(16, 1)), "none") == "none"
+
+
+def test_what_models_are_called_with_compiles_identical_layers_once():
+    """``Student.inputs`` (every scoring forward's arguments, teachers' too) ask for no KV cache: with one, each
+    layer's cache state is guarded on and every compiled layer recompiles, past dynamo's limit of 8 running the rest
+    eagerly (an FP8 teacher's cold compile took minutes for it). Counted with dynamo's own counting backend."""
+    from types import SimpleNamespace
+
+    import torch
+    from tiny_models import qwen2_config
+    from torch._dynamo.testing import CompileCounter
+    from transformers import Qwen2ForCausalLM
+
+    from distill_kit.training.student import Student
+
+    torch._dynamo.reset()
+    model = Qwen2ForCausalLM(qwen2_config(num_hidden_layers=4)).eval()
+    counter = CompileCounter()
+    for layer in model.model.layers:
+        layer.compile(backend=counter)
+    loss = SimpleNamespace(needs_hidden_states=False, needs_attentions=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    inputs = Student.inputs(SimpleNamespace(loss=loss), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    with torch.no_grad():
+        model(**inputs)
+        assert counter.frame_count == 1  # one graph shared by the four layers
+        model(**inputs | {"use_cache": True})
+    assert counter.frame_count > 2  # the test can see the per-layer recompiles a cache brings
+    torch._dynamo.reset()

@@ -26,6 +26,14 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy"
                  "fused_linear_cross_entropy": False}
 
 
+def beside(teacher_kernels: str) -> dict[str, bool]:
+    """Liger options for a student whose teacher runs ``teacher_kernels``: no RoPE kernel beside a compiled
+    teacher. Liger's RoPE replaces a function of the architecture's modeling file for the whole process, so a
+    teacher of the student's architecture would run it too, inside its compiled layers, where dynamo cannot trace
+    it and breaks each layer's graph around it."""
+    return {"rope": False} if teacher_kernels == "compile" else {}
+
+
 def _error(message: str) -> ValueError:
     """A ``ConfigError``: the CLI reports it without a traceback."""
     return ConfigError(message)

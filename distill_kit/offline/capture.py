@@ -197,7 +197,8 @@ def _capture_batch(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], re
     """One micro-batch: the teacher's forward on all of it (a collective: filler rows too), then the rows of
     its first ``real`` blocks, one per real token."""
     input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(spec.hidden_layers))
+    out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(spec.hidden_layers),
+                use_cache=False)  # no cache: see training/student.py:Student.inputs
     keep = mask[:real].bool()
     values, ids, tails = (t.cpu() for t in top_k(out.logits[:real][keep], spec.k, config.chunk_tokens))
     hidden = {layer: out.hidden_states[layer][:real][keep].cpu() for layer in spec.hidden_layers}

@@ -16,7 +16,7 @@ from torch import nn
 
 from distill_kit.config import StudentSpec, TrainingConfig
 from distill_kit.data.chat import packed_model_inputs
-from distill_kit.engines import kernels, models, peft_student
+from distill_kit.engines import fp8, kernels, models, peft_student
 from distill_kit.engines.build import build_student
 from distill_kit.engines.head import why_not_fused
 from distill_kit.training.export import export_student
@@ -45,7 +45,10 @@ class Student:
         self.training = training
         self.export_merged = peft_student.wants_merged_export(spec.peft)
         model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions)
-        kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels")
+        teacher_kernels = fp8.teacher_kernels(training.teacher_kernels,
+                                              fp8.resolve(training.teacher_precision, training.dtype))
+        kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels",
+                      liger=kernels.beside(teacher_kernels))
         if adapters is not None:
             model = peft_student.wrap(model, adapters)
         self.engine: deepspeed.DeepSpeedEngine = build_student(model, loss, ds_config, training)
@@ -62,8 +65,11 @@ class Student:
 
     def inputs(self, batch: Batch) -> dict[str, Any]:
         """What it is called with: no labels (the loss modules own every loss), positions when the batch carries
-        them (packed rows), and hidden states or attentions only when its loss asks for them."""
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
+        them (packed rows), and hidden states or attentions only when its loss asks for them. Never a KV cache: a
+        scoring forward reads none, and building one costs memory and, in layers under ``torch.compile``, a
+        recompile per layer (the cache's per-layer state is guarded on), which past dynamo's limit of 8 leaves the
+        remaining layers eager."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False,
                   "output_hidden_states": self.loss.needs_hidden_states,
                   "output_attentions": self.loss.needs_attentions}
         return inputs | packed_model_inputs(batch)  # packed chat rows: position_ids, no 2-D mask, no cache
