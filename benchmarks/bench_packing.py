@@ -115,10 +115,11 @@ def models(pair: str, device: torch.device, dtype: torch.dtype, block_size: int)
     teacher_kw, student_kw = PAIRS[pair]
     common = dict(vocab_size=VOCAB[pair], max_position_embeddings=max(block_size, 64), tie_word_embeddings=False)
     torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(Qwen2Config(**common, **teacher_kw), dtype=dtype,
-                                               attn_implementation="sdpa").to(device).eval()
-    student = AutoModelForCausalLM.from_config(Qwen2Config(**common, **student_kw), dtype=dtype,
-                                               attn_implementation="sdpa").to(device).train()
+    with device:  # initialised where they run: a 7B model's random init on the host takes minutes
+        teacher = AutoModelForCausalLM.from_config(Qwen2Config(**common, **teacher_kw), dtype=dtype,
+                                                   attn_implementation="sdpa").eval()
+        student = AutoModelForCausalLM.from_config(Qwen2Config(**common, **student_kw), dtype=dtype,
+                                                   attn_implementation="sdpa").train()
     return teacher, student
 
 
