@@ -185,7 +185,11 @@ def main() -> None:
             per_step = statistics.median(tokens / seconds for seconds, tokens in timed)
             entry |= {"counted_tokens_per_s": per_step,
                       "counted_tokens_per_s_total": sum(t for _, t in timed) / sum(s for s, _ in timed)}
+            print(f"{mode}: {entry['counted_tokens_per_s_total']:,.0f} counted tok/s", flush=True)
         result["modes"][mode] = entry
+        if args.out:  # after each batching, so that a run cut short keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2))
     base = result["modes"]["grouped"].get("counted_tokens_per_s_total")
     print(f"lengths: mean {result['lengths']['mean']:.0f}, median {result['lengths']['median']:.0f}, "
           f"{result['lengths']['at_max']} of {len(sizes)} at {args.max_length}")
