@@ -163,10 +163,10 @@ class TrainingConfig:
     SwiGLU; ``pip install distill-kit[liger]``), compile (``torch.compile`` per decoder layer), none; auto is liger
     on a GPU where Liger supports the architecture, else none."""
     teacher_precision: Precision = "auto"
-    """The teacher's compute precision: auto (the run's dtype), bf16 (a bf16 run's, named), or fp8: its decoder layers' linear layers in
-    FP8 through torchao (row-wise scales), replicated on every rank whatever teacher_ds_config's stage, loaded a layer
-    at a time; a CUDA GPU of compute capability 8.9+ (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are
-    compile."""
+    """The teacher's compute precision: auto (the run's dtype), bf16 (only in a bf16 run: the same, by name), or
+    fp8: its decoder layers' linear layers in FP8 through torchao (row-wise scales), replicated on every rank
+    whatever teacher_ds_config's stage, loaded a layer at a time; a CUDA GPU of compute capability 8.9+
+    (``distill_kit/engines/fp8.py``). Its auto teacher_kernels are compile."""
     student_kernels: Kernels = "auto"
     """The same choice for the student(s); auto is none for a student that samples on-policy (Liger's kernels stop
     its compiled decode step's CUDA graphs: ``on_policy.student_kernels``)."""

@@ -76,3 +76,23 @@ def test_what_models_are_called_with_compiles_identical_layers_once():
         model(**inputs | {"use_cache": True})
     assert counter.frame_count > 2  # the test can see the per-layer recompiles a cache brings
     torch._dynamo.reset()
+
+
+def test_liger_leaves_later_models_of_the_architecture_alone(monkeypatch):
+    """Liger rebinds the modeling file's classes as well as patching the instance; every rebinding but RoPE's is
+    put back, so a model built afterwards (the next Distiller's teacher) keeps its own kernels choice."""
+    from transformers.models.gpt2 import modeling_gpt2
+
+    original_mlp = modeling_gpt2.GPT2MLP
+    monkeypatch.setattr(modeling_gpt2, kernels.ROPE, "hf rope", raising=False)
+
+    def patch_gpt2(model=None, rope=True, rms_norm=True, swiglu=True):
+        modeling_gpt2.GPT2MLP = "liger mlp"  # what Liger does to the architecture's classes
+        if rope:
+            setattr(modeling_gpt2, kernels.ROPE, "liger rope")
+
+    monkeypatch.setattr(config, "liger_installed", lambda: True)
+    monkeypatch.setattr(kernels, "_liger_patchers", lambda: {"gpt2": patch_gpt2})
+    kernels.apply(GPT2LMHeadModel(gpt2_config(16, 1)), "liger")
+    assert modeling_gpt2.GPT2MLP is original_mlp
+    assert getattr(modeling_gpt2, kernels.ROPE) == "liger rope"  # the instance calls it through the module

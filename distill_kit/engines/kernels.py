@@ -2,8 +2,9 @@
 
 * ``liger``: Liger-Kernel's Triton RoPE, RMSNorm and SwiGLU (``pip install distill-kit[liger]``), patched into
   the model instance by Liger's own per-architecture function (its cross-entropy kernels stay off: the losses
-  own the loss). RMSNorm and SwiGLU are patched on this instance's modules; RoPE is a function of the
-  architecture's modeling file, so Liger replaces it for every model of that architecture in the process.
+  own the loss). RMSNorm and SwiGLU are patched on this instance's modules (the classes Liger also rebinds in
+  the modeling file are put back); RoPE is a function of the architecture's modeling file, so Liger replaces it
+  for every model of that architecture in the process.
   The patched modules keep their parameters and their ZeRO-3 hooks, so a sharded teacher still gathers its
   shards layer by layer. Measured on 2 x H200 (``benchmarks/RESULTS.md``): the teacher's forward 16% faster.
 * ``compile``: ``torch.compile`` on each decoder layer (the classes the model names in ``_no_split_modules``),
@@ -13,8 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -76,11 +78,33 @@ def apply(model: nn.Module, choice: str, key: str = "kernels", liger: Mapping[st
     if applied == "liger":
         patch = _liger_patchers()[model.config.model_type]
         accepted = inspect.signature(patch).parameters
-        patch(model=model, **{k: v for k, v in (LIGER_KERNELS | dict(liger or {})).items() if k in accepted})
+        with _instance_only(model):
+            patch(model=model, **{k: v for k, v in (LIGER_KERNELS | dict(liger or {})).items() if k in accepted})
     elif applied == "compile":
         for layer in _decoder_layers(model):
             layer.compile()
     return applied
+
+
+ROPE = "apply_rotary_pos_emb"
+"""The one name of a modeling file that Liger's patch must leave replaced: the model calls it from there."""
+
+
+@contextlib.contextmanager
+def _instance_only(model: nn.Module) -> Iterator[None]:
+    """Liger's patch with ``model=`` patches that instance's norms and MLPs, and also rebinds the classes of the
+    architecture's modeling file (``Qwen2RMSNorm``, ``Qwen2MLP``, ...), so that every model of that architecture
+    built later in the process - the next Distiller's teacher, a benchmark's next run - would get Liger's modules
+    whatever its own kernels choice. Every name it rebinds is put back but RoPE, a function the patched instance
+    calls through the module."""
+    module = inspect.getmodule(type(model))
+    before = dict(vars(module)) if module is not None else {}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if name != ROPE and getattr(module, name, None) is not value:
+                setattr(module, name, value)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
