@@ -19,7 +19,12 @@ The distilled rows read the same routed loader (``ChatLoader(route=...)``: each 
 conversations), so they see the same prompts in the same order; only who scores the student's samples differs.
 Each row is scored by greedy exact match on both tasks' held-out prompts (each task's exact checker)::
 
-    python benchmarks/bench_routed_tasks.py --out runs/routed_tasks     # table, seconds in <out>/report.json
+    python benchmarks/bench_routed_tasks.py --out runs/routed_tasks                # seeds 0, 1, 2: <out>/report.json
+    python benchmarks/bench_routed_tasks.py --out runs/routed_quick --seeds 0      # one quick seed
+
+Every figure is the mean over ``--seeds`` with its range (each seed a whole comparison under ``<out>/seed_<S>/``).
+At the default 900 steps every row is on the same side of its task's transition at seeds 0, 1 and 2; at 500 the
+routed row's arithmetic was not yet past it (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -76,13 +81,16 @@ def splits(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="each a whole comparison (data, initial student, batch order, sampling); the table gives "
+                             "each row's mean over them, its range and every seed's value")
     parser.add_argument("--labelled", type=int, default=300, help="answered prompts per task")
     parser.add_argument("--prompts", type=int, nargs=2, default=[15000, 5000], metavar=("ARITHMETIC", "SORTING"),
                         help="prompts without answers of each task; their ratio is each task's share of the distilled "
                              "rows' micro-batches (arithmetic, the harder, gets 3/4)")
     parser.add_argument("--heldout", type=int, default=500, help="held-out prompts per task")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=900,
+                        help="every row's steps; at 500 the routed row's arithmetic stayed before its transition")
     parser.add_argument("--warm-start-steps", type=int, default=50)
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -93,16 +101,41 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
-    out = args.out
-    if (out / "report.json").exists():
-        raise SystemExit(f"{out} already holds a report.json; give a new --out")
+    if (args.out / "report.json").exists():
+        raise SystemExit(f"{args.out} already holds a report.json; give a new --out")
+    per_seed = [{"seed": seed, "rows": run_seed(args, seed, args.out / f"seed_{seed}")} for seed in args.seeds]
+    report = {"rows": aggregate(per_seed), "seeds": args.seeds, "per_seed": per_seed,
+              "seconds": time.perf_counter() - began, "args": {k: str(v) for k, v in vars(args).items()}}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    print(format_table(report["rows"]))
+    print(f"whole comparison ({len(args.seeds)} seed(s)): {report['seconds']:.0f} s; {args.out / 'report.json'}")
+    return report
+
+
+def aggregate(per_seed: list[dict]) -> list[dict]:
+    """Each row over the seeds: per task the mean exact match, its range and each seed's value; mean seconds."""
+    rows = []
+    for first in per_seed[0]["rows"]:
+        found = [next(r for r in entry["rows"] if r["row"] == first["row"]) for entry in per_seed]
+        row = {"row": first["row"], "train_seconds": sum(r["train_seconds"] for r in found) / len(found)}
+        for task in TASKS:
+            values = [r[task] for r in found]
+            row |= {task: sum(values) / len(values), f"{task}_min": min(values), f"{task}_max": max(values),
+                    f"{task}_per_seed": values}
+        rows.append(row)
+    return rows
+
+
+def run_seed(args: argparse.Namespace, seed: int, out: Path) -> list[dict]:
+    """One whole comparison at ``seed``: its rows, each with both tasks' exact match and its seconds."""
+    began = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(TEACHERS["arithmetic"])
     for name in TASKS:  # routing compares logits id by id: one tokenizer for every teacher and the student
         assert AutoTokenizer.from_pretrained(TEACHERS[name]).get_vocab() == tokenizer.get_vocab(), name
-    files, items = write_data(out, args.seed, args.labelled, args.prompts, args.heldout)
+    files, items = write_data(out, seed, args.labelled, args.prompts, args.heldout)
     answered = splits(tokenizer, files["labelled"], files["heldout"])
     unanswered = splits(tokenizer, files["prompts"], files["heldout"]).train
-    pad, mbs, seed = chat.pad_id_of(tokenizer), args.micro_batch, args.seed
+    pad, mbs = chat.pad_id_of(tokenizer), args.micro_batch
 
     config = AutoConfig.from_pretrained(TEACHERS["arithmetic"])
     config.update(STUDENT)
@@ -160,17 +193,18 @@ def main(argv: list[str] | None = None) -> dict:
         evaluated = time.perf_counter()
         rows.append({"row": row, **score(distiller.student_model), "train_seconds": seconds,
                      "eval_seconds": time.perf_counter() - evaluated})
-        print(json.dumps(rows[-1]), flush=True)
-    report = {"rows": rows, "seconds": time.perf_counter() - began, "args": {k: str(v) for k, v in vars(args).items()}}
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(format_table(rows))
-    print(f"whole comparison: {report['seconds']:.0f} s; report: {out / 'report.json'}")
-    return report
+        print(json.dumps({"seed": seed} | rows[-1]), flush=True)
+    print(f"seed {seed}: {time.perf_counter() - began:.0f} s", flush=True)
+    return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'row':<20}{'arithmetic':>12}{'sorting':>10}{'train s':>9}"]
-    lines += [f"{r['row']:<20}{r['arithmetic']:>12.1%}{r['sorting']:>10.1%}{r['train_seconds']:>9.0f}" for r in rows]
+    """Mean exact match over the seeds with its range, per task."""
+    lines = [f"{'row':<20}{'arithmetic':>12}{'range':>15}{'sorting':>10}{'range':>15}{'train s':>9}"]
+    for r in rows:
+        spans = [f"{r[t + '_min']:.1%}-{r[t + '_max']:.1%}" for t in TASKS]
+        lines.append(f"{r['row']:<20}{r['arithmetic']:>12.1%}{spans[0]:>15}{r['sorting']:>10.1%}{spans[1]:>15}"
+                     f"{r['train_seconds']:>9.0f}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from launch import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,7 +71,7 @@ def test_the_routed_two_task_comparison_runs(tmp_path):
                                                              "MASTER_PORT")}
     args = [sys.executable, str(ROOT / "benchmarks/bench_routed_tasks.py"), "--out", str(tmp_path / "run"),
             "--steps", "3", "--warm-start-steps", "1", "--micro-batch", "4", "--labelled", "8", "--prompts", "8", "8",
-            "--heldout", "8"]
+            "--heldout", "8", "--seeds", "0", "1"]
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -78,4 +79,10 @@ def test_the_routed_two_task_comparison_runs(tmp_path):
     rows = {row["row"]: row for row in report["rows"]}
     assert list(rows) == ["teacher:arithmetic", "teacher:sorting", "sft", "only_arithmetic", "only_sorting", "routed"]
     assert rows["teacher:arithmetic"]["arithmetic"] == 1.0 and rows["teacher:sorting"]["sorting"] == 1.0
+    assert report["seeds"] == [0, 1] and [entry["seed"] for entry in report["per_seed"]] == [0, 1]
+    for row in rows.values():  # the table's figures are each seed's values, summarised
+        for task in ("arithmetic", "sorting"):
+            values = [next(r for r in e["rows"] if r["row"] == row["row"])[task] for e in report["per_seed"]]
+            assert row[f"{task}_per_seed"] == values and row[f"{task}_min"] == min(values)
+            assert row[task] == pytest.approx(sum(values) / 2)
     assert all(0 <= row[task] <= 1 for row in rows.values() for task in ("arithmetic", "sorting"))
