@@ -23,7 +23,8 @@ CPU (tiny Llama pair, what fits a laptop)::
 
 GPU (random-init Qwen2-7B-shaped teacher, Qwen2-0.5B-shaped student, bf16, sdpa)::
 
-    PYTHONPATH=$PWD python benchmarks/bench_packing.py --pair qwen2-7b-0.5b --micro-batch 4 --steps 0 --conversations 300
+    PYTHONPATH=$PWD python benchmarks/bench_packing.py --pair qwen2-7b-0.5b --micro-batch 4 --steps 0 \
+        --conversations 300
 """
 
 from __future__ import annotations

@@ -58,3 +58,27 @@ def test_samples_are_cut_to_fit_the_row_limit_and_the_cut_is_logged(caplog):
                                 lambda: model)
     assert all(len(s) <= 1 for s in limited.generate(prompts))
     assert [len(s) for s in limited.generate([torch.arange(1, 11)])] == [0]  # a prompt that fills the limit
+
+
+def test_a_model_compiled_layer_by_layer_samples_eagerly():
+    """A teacher whose decoder layers are compiled (an FP8 teacher's default kernels) generates eagerly: with a
+    cache, each layer would recompile for its own cache state (dynamo's counting backend sees no compile at all),
+    and the samples are the uncompiled model's."""
+    import torch
+    from tiny_models import qwen2_config
+    from torch._dynamo.testing import CompileCounter
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2_config(num_hidden_layers=3)).eval()
+    config = OnPolicyConfig(fraction=1.0, max_new_tokens=6, eos_token_id=1, temperature=0.0)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    plain = on_policy.Sampler(config, lambda: model).generate(prompts)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for layer in model.model.layers:
+        layer.compile(backend=counter)
+    compiled = on_policy.Sampler(config, lambda: model).generate(prompts)
+    assert counter.frame_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, compiled, strict=True))
+    torch._dynamo.reset()
