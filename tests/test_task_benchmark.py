@@ -146,6 +146,10 @@ def test_task_comparison_runs_and_writes_the_table(tmp_path):
     assert again.returncode != 0 and "already holds a report.json" in again.stderr
     resumed = _run([*args, "--resume"], 300)
     assert resumed.returncode != 0 and "--resume does not apply to a task benchmark" in resumed.stderr
+    fresh = [*args[:4], str(tmp_path / "fp8"), *args[5:], "--training.teacher_precision", "fp8"]  # no GPU here
+    refused = _run(fresh, 300)
+    assert refused.returncode != 0 and "teacher_precision 'fp8': no CUDA GPU" in refused.stderr
+    assert not (tmp_path / "fp8").exists()  # the run's checks come before its first write
 
 
 def test_sampling_without_an_end_token_is_refused():

@@ -323,6 +323,7 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
                           "teacher: instead of teachers:")
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
         from distill_kit.tasks import compare
+        validate.validate(config, resume, run_identity(config), checks=validate.TASK_CHECKS)
         return compare.run(config, prepare_student, resume)
     out = Path(config.output_dir)
     distiller_class(config)  # importable and a Distiller, before any work

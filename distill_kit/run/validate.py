@@ -591,15 +591,20 @@ def _facts(config: PretrainedConfig) -> dict[str, int | None]:
             "num_layers": getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)}
 
 
-def validate(config: RunConfig, resume: bool, identity: dict[str, Any]) -> None:
-    """Run every check on rank 0; raise one ConfigError listing every problem, on every rank. Writes nothing.
+TASK_CHECKS: list[Check] = [check_models, check_student_init, check_students, check_plan]
+"""A task benchmark's (``task.name``): it writes its own data and report, so only the models and the plan."""
+
+
+def validate(config: RunConfig, resume: bool, identity: dict[str, Any], checks: list[Check] | None = None) -> None:
+    """Run every check (``checks``, default ``CHECKS``) on rank 0; raise one ConfigError listing every problem, on
+    every rank. Writes nothing.
 
     ``check_teachers`` reads the config as given; the other checks see the first of ``teachers`` as the teacher."""
     problems: list[str] = []
     if distributed.is_main():
         problems = check_teachers(config)
         start = Start(run_config.lead_teacher(config), resume, identity)
-        for check in CHECKS if start.config.teacher is not None else []:
+        for check in (CHECKS if checks is None else checks) if start.config.teacher is not None else []:
             problems += check(start)
     problems = distributed.broadcast_object(problems)
     if problems:
