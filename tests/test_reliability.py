@@ -20,7 +20,7 @@ def _results(out: Path, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reliability")
-    run_ranks(WORKER, [str(out), "resume,nonfinite"], nprocs=2, timeout=240)
+    run_ranks(WORKER, [str(out), "resume,routed_resume,nonfinite"], nprocs=2, timeout=300)
     return out
 
 
@@ -46,6 +46,16 @@ def test_interrupted_and_resumed_equals_uninterrupted_on_two_ranks(two_ranks):
         assert result["lrs"] == pytest.approx(result["ref_lrs"], rel=1e-12)
         assert result["max_param_diff"] < 1e-6
         assert result["draws"] == result["ref_draws"]
+
+
+def test_a_routed_run_interrupted_and_resumed_equals_uninterrupted(two_ranks):
+    """combine: route with two teachers: the resumed run continues the routed loader where it stopped (each
+    global batch one teacher's rows) and lands on the uninterrupted run's losses and weights."""
+    for result in _results(two_ranks, "routed_resume"):
+        assert result["stopped_at"] == 3 and result["resumed_from"] == "step_00000003"
+        assert result["steps"] == [1, 2, 3, 4, 5, 6]
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-6, abs=0)
+        assert result["max_param_diff"] < 1e-6
 
 
 def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_at_that_step(two_ranks):

@@ -1,6 +1,7 @@
 """Resume, preemption, non-finite steps and uneven data on real ranks; launched by tests/test_reliability.py.
 
-Usage: ``reliability_scenarios.py OUT SCENARIO[,SCENARIO...]``. Each scenario writes ``<OUT>/<name>.rank<r>.json``
+Usage: ``reliability_scenarios.py OUT SCENARIO[,SCENARIO...]`` (``resume``, ``routed_resume``, ``nonfinite``,
+``killed_save``, ``after_kill``, ``stall``). Each scenario writes ``<OUT>/<name>.rank<r>.json``
 (``resume`` also writes ``uneven``: its uninterrupted run is the uneven-data one).
 The ``killed_save`` and ``stall`` scenarios end their process on purpose (SIGKILL, a collective timeout).
 """
@@ -22,9 +23,10 @@ from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rank_results import gathered, max_diff, write  # noqa: E402
-from tiny_models import gpt2_config, random_batches, save_pair  # noqa: E402
+from tiny_models import VOCAB, gpt2_config, random_batches, save_pair  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
+from distill_kit.data import chat  # noqa: E402
 from distill_kit.data.blocks import BlockLoader  # noqa: E402
 from distill_kit.engines import distributed, fingerprint  # noqa: E402
 from distill_kit.training import checkpoint  # noqa: E402
@@ -134,6 +136,45 @@ def resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> Faul
         "plain_module_hash": plain_hash, "other_teacher_hash": other_hash, "refusal": refusal,
     })
     return reference
+
+
+def routed_loader() -> chat.ChatLoader:
+    """17 conversations of 4-15 tokens, every third one teacher ``b``'s, the rest ``a``'s: the routed loader's
+    epochs (one teacher per global batch, a partial batch of each teacher dropped) end at different steps than the
+    block loader's, and six steps run past the first epoch."""
+    generator = torch.Generator().manual_seed(7)
+    rows = {name: [] for name in chat.ROUTED_FEATURES}
+    for i in range(17):
+        n = int(torch.randint(4, 16, (1,), generator=generator))
+        ids = torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+        for name, value in zip(chat.ROUTED_FEATURES, (ids, [-100] + ids[1:], n, n - 1, f"record {i}",
+                                                      "b" if i % 3 == 0 else "a"), strict=True):
+            rows[name].append(value)
+    dataset = datasets.Dataset.from_dict(rows, features=chat.ROUTED_FEATURES)
+    return chat.ChatLoader(dataset, MBS, pad_id=0, rank=distributed.rank(), world_size=distributed.world_size(),
+                           seed=1, route=["a", "b"])
+
+
+def routed_resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> None:
+    """combine: route, uninterrupted vs SIGTERM at step 3 on the last rank and resumed in a new Distiller from a
+    fresh routed loader: the loader's position and each row's teacher must come back with the checkpoint."""
+    teachers = [{"name": "a", "model": teacher}, {"name": "b", "model": other_teacher}]
+    reference = Faulty(student, teachers=teachers, combine="route", training=TRAINING)
+    reference.train(routed_loader())
+    training = replace(TRAINING, checkpoint_dir=str(out / "routed_ckpt"), save_every=4)
+    interrupted = Faulty(student, teachers=teachers, combine="route", training=training)
+    if distributed.rank() == distributed.world_size() - 1:
+        interrupted.sigterm_at = 3
+    interrupted.train(routed_loader())
+    resumed = Faulty(student, teachers=teachers, combine="route", training=training)
+    path = resumed.resume()
+    resumed.train(routed_loader())
+    write(out, "routed_resume", {
+        "stopped_at": interrupted.step, "resumed_from": path.name, "steps": [h["step"] for h in resumed.history],
+        "losses": [h["loss"] for h in resumed.history], "ref_losses": [h["loss"] for h in reference.history],
+        "max_param_diff": max_diff(gathered(resumed.student_model), gathered(reference.student_model)),
+        "draws": rng_draws(),
+    })
 
 
 def poisoned_steps(steps: int, poison: dict[int, tuple[int, int, str]]) -> list[dict]:
@@ -246,6 +287,8 @@ def main() -> None:
     teacher, student, other_teacher = models(out)
     if "resume" in scenarios:
         uneven(out, resume(out, teacher, student, other_teacher))
+    if "routed_resume" in scenarios:
+        routed_resume(out, teacher, student, other_teacher)
     if "nonfinite" in scenarios:
         nonfinite(out, teacher, out / "models/student")
     if "killed_save" in scenarios:
