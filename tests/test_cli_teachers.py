@@ -139,7 +139,7 @@ def test_report_and_checkpoints_record_every_teacher(runs, tiny):
     (lambda t: _teachers(t, (1.0, -0.5)), "teacher 'b': weight must be a finite number >= 0, got -0.5"),
     (lambda t: _teachers(t, (0.0, 0.0)), "teachers: every teacher has weight 0: give at least one a weight > 0"),
     (lambda t: ["--teachers", f"[{{name: a, model: {t['a']}}}, {{name: o, model: {t['other']}}}]"],
-     "teachers[o]: its tokenizer differs from the run's"),
+     "teachers[o]: its tokenizer differs from the run's ("),
     (lambda t: ["--teachers", "[{name: a}]"], "teachers[0]: teacher 'a' has no model: give model: path/to/teacher"),
     (lambda t: [*_teachers(t), "combine=mixture", "--students", "[{name: s, init: {n_layer: 1}, loss: hidden_mse}]"],
      "students[s].loss with combine: mixture: combine: mixture averages the teachers' distributions; hidden-state"),

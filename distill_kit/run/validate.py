@@ -35,7 +35,7 @@ from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
 from distill_kit.training.on_policy import positions as on_policy_positions
 from distill_kit.training.plan import make_plan
-from distill_kit.training.teachers import check_weights
+from distill_kit.training.teachers import check_weights, tokenizer_problems
 from losses import registry as loss_registry
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -547,32 +547,22 @@ def check_teachers(config: RunConfig) -> list[str]:
 
 
 def _teacher_tokenizers(config: RunConfig) -> list[str]:
-    """Every teacher reads the run's tokenizer (the first teacher's, or ``tokenizer``): the same vocabulary, and
-    a model vocabulary no smaller than the students'. Folders without a tokenizer are compared by vocabulary size."""
+    """Every teacher reads the run's tokenizer (``tokenizer``, or the first teacher's): the same vocabulary
+    (``teachers.tokenizer_problems``, the Python path's rule), and a model vocabulary no smaller than it."""
     from transformers import AutoTokenizer
 
     reference = config.tokenizer or config.teachers[0].model
     try:
-        vocabulary = AutoTokenizer.from_pretrained(reference).get_vocab()
+        size = len(AutoTokenizer.from_pretrained(reference).get_vocab())
     except Exception:  # noqa: BLE001 - check_models names a folder without a tokenizer
         return []
-    problems = []
+    problems = tokenizer_problems(("the run", reference), [(f"teachers[{t.name}]", t.model) for t in config.teachers])
     for teacher in config.teachers:
-        folder = Path(teacher.model)
-        if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
-            theirs = AutoTokenizer.from_pretrained(teacher.model).get_vocab()
-            if theirs != vocabulary:
-                problems.append(
-                    f"teachers[{teacher.name}]: its tokenizer differs from the run's ({reference!r}: {len(vocabulary)} "
-                    f"tokens; {teacher.model!r}: {len(theirs)}, or other ids). Several teachers are compared with the "
-                    "student token id by token id: use teachers that share the student's tokenizer (distilling across "
-                    "tokenizers, loss cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
-                continue
-        size = getattr(_read_config(teacher.model), "vocab_size", None)
-        if size is not None and size < len(vocabulary):
-            problems.append(f"teachers[{teacher.name}]: its vocabulary ({size}) is smaller than the run's tokenizer "
-                            f"({len(vocabulary)} tokens): it cannot share the student's tokenizer. Use a teacher "
-                            "with the student's tokenizer")
+        vocabulary = getattr(_read_config(teacher.model), "vocab_size", None)
+        if vocabulary is not None and vocabulary < size:
+            problems.append(f"teachers[{teacher.name}]: its vocabulary ({vocabulary}) is smaller than the run's "
+                            f"tokenizer ({size} tokens): it cannot share the student's tokenizer. Use a teacher with "
+                            "the student's tokenizer")
     return problems
 
 

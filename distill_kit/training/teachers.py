@@ -152,22 +152,46 @@ def check_weights(specs: Sequence[TeacherSpec]) -> None:
         raise ConfigError("teachers: every teacher has weight 0: give at least one a weight > 0")
 
 
-def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None:
-    """Every model with a tokenizer in its directory must have the same vocabulary, before anything loads (the
-    vocabulary sizes: ``plan.check_vocabulary``)."""
+def tokenizer_problems(reference: tuple[str, ModelSource], others: Sequence[tuple[str, ModelSource]]) -> list[str]:
+    """Every folder of ``others`` that holds a tokenizer must have ``reference``'s vocabulary (``reference``: a label
+    and a folder): logit losses compare the teachers' and the student's distributions token id by token id. Folders
+    without a tokenizer are compared by vocabulary size instead (``plan.check_vocabulary``); so is a reference
+    without one, which compares nothing here. One rule for the Python path (:func:`check_tokenizers`) and the
+    CLI's start-up checks (``run/validate.py``), which name the run's tokenizer as the reference."""
     from transformers import AutoTokenizer
 
-    found = [(name, source) for name, source in [("student", student), *((s.name, s.model) for s in specs)]
-             if isinstance(source, str | Path) and (Path(source) / "tokenizer_config.json").is_file()]
-    vocabularies = {name: AutoTokenizer.from_pretrained(source).get_vocab() for name, source in found}
-    for name, vocab in vocabularies.items():
-        first, reference = next(iter(vocabularies.items()))
-        if vocab != reference:
-            raise ValueError(
-                f"teacher/student tokenizers differ: {first!r} has {len(reference)} tokens, {name!r} {len(vocab)} "
-                "(or the same count with other ids). Every teacher must use the student's tokenizer: logit losses "
-                "compare distributions token id by token id. Drop that teacher or use one with the same tokenizer."
-            )
+    def vocabulary(source: ModelSource) -> dict[str, int] | None:
+        return AutoTokenizer.from_pretrained(source).get_vocab() if _has_tokenizer(source) else None
+
+    label, source = reference
+    expected = vocabulary(source)
+    if expected is None:
+        return []
+    problems = []
+    for name, other in others:
+        theirs = vocabulary(other)
+        if theirs is not None and theirs != expected:
+            problems.append(
+                f"{name}: its tokenizer differs from {label}'s ({str(source)!r}: {len(expected)} tokens; "
+                f"{str(other)!r}: {len(theirs)}, or other ids). Several teachers are compared with the student token "
+                "id by token id: use teachers that share the student's tokenizer (distilling across tokenizers, loss "
+                "cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
+    return problems
+
+
+def check_tokenizers(student: ModelSource, specs: Sequence[TeacherSpec]) -> None:
+    """Before anything loads: every teacher with a tokenizer in its folder has the student's (or, when the student
+    has none there, the first such teacher's) vocabulary. A ``ConfigError`` naming the first that does not."""
+    sources = [("the student", student), *((f"teachers[{spec.name}]", spec.model) for spec in specs)]
+    found = [(label, source) for label, source in sources if _has_tokenizer(source)]
+    problems = tokenizer_problems(found[0], found[1:]) if found else []
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def _has_tokenizer(source: ModelSource) -> bool:
+    return isinstance(source, str | Path) and any((Path(source) / f).is_file()
+                                                  for f in ("tokenizer_config.json", "tokenizer.json"))
 
 
 class TeacherEnsembleLoss(DistillationLoss):
