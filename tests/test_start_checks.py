@@ -106,8 +106,9 @@ def test_lora_needs_a_pretrained_base_and_existing_target_modules(setup):
     (problem,) = validate.check_peft_students(_start(setup, "--students", "[{name: s, init: {n_layer: 1}, peft: {}}]"))
     assert problem.startswith("students[s].peft: LoRA adapters train on a frozen pretrained student, but this")
     pretrained = f"[{{name: s, model: {setup['teacher']}, peft: {{target_modules: [c_attn, c_prj]}}}}]"
-    (problem,) = validate.check_peft_students(_start(setup, "--students", pretrained))
-    assert problem.startswith("students[s].peft.target_modules: ['c_prj'] name no module of the student")
+    assert validate.check_peft_students(_start(setup, "--students", pretrained)) == []
+    (problem,) = validate.check_plan(_start(setup, "--students", pretrained))  # the Distiller's plan, from configs
+    assert problem.startswith("students[s].peft: target_modules: ['c_prj'] name no module of the student")
     assert "'c_proj'" in problem
 
 

@@ -91,15 +91,27 @@ def check(spec: PeftSpec, zero_stage: int) -> Any:
     return adapter_config(spec)
 
 
-def preflight(spec: PeftSpec, ds_config: str | Path | Mapping[str, Any],
-              ds_overrides: Mapping[str, Any] | None = None) -> None:
-    """:func:`check` from the student's DeepSpeed config source and overrides, before anything loads (the CLI)."""
-    from distill_kit.engines import deepspeed_config
+def check_targets(config: Any, model_config: Any) -> None:
+    """Every ``target_modules`` name of the ``peft.PeftConfig`` is a module of the student (a model built on the
+    meta device from its config, no weights); a string target ('all-linear', a regex) is peft's to resolve, as is a
+    model transformers cannot build from its config. A ``ValueError`` naming the student's linear layers otherwise."""
+    targets = getattr(config, "target_modules", None)
+    if model_config is None or targets is None or isinstance(targets, str):
+        return
+    from transformers import AutoModelForCausalLM
 
-    config = deepspeed_config.load(ds_config)
-    for key, value in (ds_overrides or {}).items():
-        deepspeed_config.set_dotted(config, key, value)
-    check(spec, deepspeed_config.zero_stage(config))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+    except Exception:  # noqa: BLE001 - peft reports its own error when it wraps the model
+        return
+    names = {name for name, _ in model.named_modules()}
+    missing = [t for t in sorted(targets) if t not in names | {n.rpartition(".")[2] for n in names}]
+    if missing:
+        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
+        raise ValueError(f"target_modules: {missing} name no module of the student; its linear layers are {linear} "
+                         "(or use 'all-linear')")
 
 
 def wrap(model: nn.Module, config: Any) -> nn.Module:

@@ -115,6 +115,7 @@ def make_plan(
         if spec.peft is not None:
             try:
                 adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_configs[spec.name]))
+                peft_student.check_targets(adapters[spec.name], models.model_config(spec.model))
             except (ImportError, TypeError, ValueError) as err:
                 raise ConfigError(f"students[{spec.name}].peft: {err}") from None
     return Plan(list(students), list(teachers), training, losses, student_configs, teacher_configs, teacher_vocab,
