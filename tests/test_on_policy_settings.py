@@ -82,3 +82,24 @@ def test_a_model_compiled_layer_by_layer_samples_eagerly():
     assert counter.frame_count == 0
     assert all(torch.equal(a, b) for a, b in zip(plain, compiled, strict=True))
     torch._dynamo.reset()
+
+
+def test_sampled_rows_keep_their_teacher():
+    """Routed on-policy (combine: route): a row's sample is scored by the teacher its record names, so the sampled
+    batch keeps every row's teacher_id in place while its tokens and labels become prompt + sample."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, eos_token_id=39))
+    ids = torch.randint(1, 39, (4, 6))
+    labels = ids.clone()
+    labels[:, :3] = -100  # three prompt tokens, three answer tokens
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids),
+             "teacher_id": torch.tensor([1, 0, 0, 1])}
+    sampler = on_policy.Sampler(OnPolicyConfig(fraction=1.0, max_new_tokens=4, eos_token_id=39, pad_token_id=0),
+                                lambda: model)
+    out = sampler(batch)
+    assert torch.equal(out["teacher_id"], batch["teacher_id"])
+    assert torch.equal(out["input_ids"][:, :3], ids[:, :3])  # each row is still its own prompt's
+    assert (out["labels"][:, :3] == -100).all() and (out["labels"] != -100).any()
