@@ -11,12 +11,14 @@ Lengths: log-normal with median ``--median`` (256) and sigma ``--sigma`` (1.0), 
 1.9% clipped at 2,048). The first 30% of each conversation is prompt (labels -100), the rest counts.
 
 For each batching it reports the share of batch positions that are real tokens (over a whole epoch; needs no model)
-and, unless ``--share-only``, counted tokens/s of a distillation step in plain PyTorch on one device: the teacher's
-forward under no_grad, the student's forward, forward KL on the counted tokens (``losses``' ``forward_kl``), backward
-and an AdamW step, median over ``--steps`` steps after ``--warmup``. Packed micro-batches are called as the
-Distiller calls them (``chat.packed_model_inputs``: position_ids, no 2-D mask, no cache).
+and, unless ``--share-only``, counted tokens/s of the Distiller's own step (``phases.TimedDistiller``: ZeRO-2
+student, ZeRO-3 teacher, forward KL on the counted tokens, the run's default kernels and fused head), one
+micro-batch a step, the models built afresh for each batching; ``--steps 0`` times the epoch's second pass, after
+an untimed first one in which every micro-batch shape is met once (a long run meets each length again and again).
+Packed micro-batches go through the Distiller as a run's do (``chat.packed_model_inputs``: position_ids, no 2-D
+mask, no cache).
 
-CPU (tiny Llama pair, what fits a laptop)::
+CPU (a tiny Qwen2 pair, what fits a laptop)::
 
     PYTHONPATH=$PWD python benchmarks/bench_packing.py --pair tiny --steps 3 --warmup 1
     PYTHONPATH=$PWD python benchmarks/bench_packing.py --share-only
@@ -31,18 +33,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
-import time
 from pathlib import Path
 
 import datasets
+import pairs
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from phases import TimedDistiller
+from transformers import Qwen2Config
 
+from distill_kit.config import CONFIG_DIR, TrainingConfig
 from distill_kit.data import chat
 from distill_kit.data.blocks import IGNORE_INDEX
-from losses import build_loss
+from distill_kit.engines import deepspeed_config, distributed
 from losses.base import valid_positions
 
 PAIRS = {
@@ -112,45 +117,41 @@ def _packed_real(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["input_ids"] != 0).sum())
 
 
-def models(pair: str, device: torch.device, dtype: torch.dtype, block_size: int):
+def configs(pair: str, block_size: int) -> tuple[Qwen2Config, Qwen2Config]:
     teacher_kw, student_kw = PAIRS[pair]
     common = dict(vocab_size=VOCAB[pair], max_position_embeddings=max(block_size, 64), tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with device:  # initialised where they run: a 7B model's random init on the host takes minutes
-        teacher = AutoModelForCausalLM.from_config(Qwen2Config(**common, **teacher_kw), dtype=dtype,
-                                                   attn_implementation="sdpa").eval()
-        student = AutoModelForCausalLM.from_config(Qwen2Config(**common, **student_kw), dtype=dtype,
-                                                   attn_implementation="sdpa").train()
-    return teacher, student
+    return Qwen2Config(**common, **teacher_kw), Qwen2Config(**common, **student_kw)
 
 
-def step_times(mode_batches, teacher, student, args, device) -> list[tuple[float, int]]:
-    """(seconds, counted tokens) of each timed step (one micro-batch a step)."""
-    loss = build_loss("forward_kl")
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
-    out = []
-    # --steps 0: the whole epoch, timed on its second pass. The first pass meets every micro-batch shape for the
-    # first time (measured on an H200: ~0.35 s a step of one-time costs, which made grouped slower than random);
-    # in a long run the lengths repeat and those costs are paid once.
+def step_times(mode_batches: list[dict], args: argparse.Namespace, device: torch.device) -> list[tuple[float, int]]:
+    """(seconds, counted tokens) of each timed step: the Distiller's own step (ZeRO-2 student, ZeRO-3 teacher,
+    forward KL, the run's default kernels and fused head), one micro-batch a step, on models built for this
+    batching alone. ``--steps 0``: the epoch twice, the second pass timed."""
     steps, warmup = (args.steps, args.warmup) if args.steps else (len(mode_batches), len(mode_batches))
-    for i in range(warmup + steps):
-        batch = {k: v.to(device) for k, v in mode_batches[(i - warmup) % len(mode_batches)].items()}
-        inputs = {"input_ids": batch["input_ids"], "use_cache": False}  # as the Distiller calls them
-        inputs |= chat.packed_model_inputs(batch) or {"attention_mask": batch["attention_mask"]}
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.no_grad():
-            t_out = teacher(**inputs)
-        s_out = student(**inputs)
-        loss(s_out, t_out, batch).total.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            out.append((time.perf_counter() - start, int(valid_positions(batch).sum())))
-    return out
+    timed = [mode_batches[(i - warmup) % len(mode_batches)] for i in range(warmup + steps)]
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    training = TrainingConfig(max_steps=len(timed), micro_batch_size=args.micro_batch, dtype=dtype, lr=1e-5,
+                              log_every=10**9)
+    teacher_config, student_config = configs(args.pair, args.block_size)
+    student_ds, teacher_ds = deepspeed_config.prepare_pair(
+        CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
+        student_hidden_size=student_config.hidden_size, teacher_hidden_size=teacher_config.hidden_size,
+        world_size=distributed.world_size())
+    torch.manual_seed(0)
+    teacher = pairs.build(teacher_config, teacher_ds, dtype, device, "sdpa")  # the teacher first, as a run loads
+    student = pairs.build(student_config, student_ds, dtype, device, "sdpa")
+    distiller = TimedDistiller(student, teacher, loss="forward_kl", training=training,
+                               student_ds_config=student_ds, teacher_ds_config=teacher_ds)
+    distiller.train(timed)
+    distiller.clock.finish()
+    seconds = [ms / 1e3 for ms in distiller.clock.summary(skip=warmup)["step_ms_all"]]
+    for engine in (distiller.student, distiller.teacher):
+        engine.destroy()
+    del distiller, teacher, student
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [(s, int(valid_positions(b).sum())) for s, b in zip(seconds, timed[warmup:], strict=True)]
 
 
 def main() -> None:
@@ -172,8 +173,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = distributed.init() if not args.share_only else torch.device("cpu")
     sizes = lengths(args)
     data = dataset(sizes, VOCAB[args.pair], args.seed)
     result = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name()
@@ -181,11 +181,10 @@ def main() -> None:
               "lengths": {"mean": statistics.mean(sizes), "median": statistics.median(sizes), "max": max(sizes),
                           "at_max": sum(n == args.max_length for n in sizes)}, "modes": {}}
     per_mode = {mode: batches(mode, data, args) for mode in MODES}
-    pair = None if args.share_only else models(args.pair, device, dtype, args.block_size)
     for mode, mode_batches in per_mode.items():
         entry = real_share(mode_batches)
-        if pair is not None:
-            timed = step_times(mode_batches, *pair, args, device)
+        if not args.share_only:
+            timed = step_times(mode_batches, args, device)
             per_step = statistics.median(tokens / seconds for seconds, tokens in timed)
             entry |= {"counted_tokens_per_s": per_step,
                       "counted_tokens_per_s_total": sum(t for _, t in timed) / sum(s for s, _ in timed)}
