@@ -97,6 +97,12 @@ class OnPolicyConfig:
     """Longest row a sample may make, prompt included: each sample is cut to fit it (the cut is logged once), so
     that no model reads a row past its positions. 0: the fewest positions (max_position_embeddings) among the
     run's models, which the CLI reads from their configs; from Python, the sampling model's own."""
+    pack_to: int = 0
+    """Pack each sampled micro-batch's conversations (prompt + sample, and the rows left as they were) into rows
+    of up to this many tokens, as ``data.packing`` packs chat data (``data/chat.py``), so that sample lengths that
+    vary leave little padding; a conversation longer than it gets a row of its own. 0: right-padded rows. The CLI
+    sets it to ``data.block_size`` when ``data.packing: true`` (the loader then hands over unpacked rows, whose
+    prompts the sampler reads)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -109,13 +115,14 @@ class OnPolicyConfig:
             "cache": self.cache in ("auto", "static", "dynamic"),
             "generation_batch_size": self.generation_batch_size >= 0,
             "max_length": self.max_length >= 0,
+            "pack_to": self.pack_to >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
                              "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
-                             "generation_batch_size >= 0, max_length >= 0)")
+                             "generation_batch_size >= 0, max_length >= 0, pack_to >= 0)")
 
 
 DType = Literal["fp32", "bf16", "fp16"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from launch import run_ranks
 from test_chat_data import SCRIPT, _assistant_perplexity, _chat_args, tiny_chat, tokenizer  # noqa: F401
 from tiny_models import VOCAB, gpt2_config, llama_config, qwen2_config
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.data import chat
 from distill_kit.data.blocks import IGNORE_INDEX
@@ -250,27 +250,57 @@ def test_dataconfig_packing_defaults_to_none_and_text_still_joins_documents():
 # ---- the config and the CLI -------------------------------------------------------------------------------
 
 
-def test_packing_with_sampled_rows_is_refused_before_any_work(tmp_path):
+def test_a_sampled_micro_batch_packs_to_the_same_losses_and_gradients():
+    """``pack_padded`` (on-policy ``pack_to``): a right-padded micro-batch of prompt + answer rows, as the sampler
+    leaves it, packed into rows of 24 tokens (one conversation longer than that gets its own row) and padded
+    further to an agreed shape, gives the unpacked batch's total cross-entropy and KL and the student's gradients
+    in float64 (GPT-2, sdpa; conversations are reordered by the bin packing, so totals are compared: to ~1e-12)."""
+    torch.manual_seed(3)
+    rows = []
+    for n in (5, 9, 30, 12, 7, 16):
+        ids = torch.randint(1, 90, (n,)).tolist()
+        rows.append((ids, [IGNORE_INDEX] * (n // 2) + ids[n // 2:]))  # prompt, then the counted sample
+    unpacked = chat.pad_rows([r[0] for r in rows], [r[1] for r in rows], PAD)
+    shape = chat.packed_shape(unpacked, 24)
+    packed = chat.pack_padded(unpacked, 24, PAD, shape=(shape[0] + 1, shape[1] + 3))
+    assert packed["input_ids"].shape == (shape[0] + 1, shape[1] + 3) and shape[0] < len(rows)
+    assert shape[1] == 30  # the 30-token conversation alone in its row
+    assert int(valid_positions(packed).sum()) == int(valid_positions(unpacked).sum())
+    teacher, student = _model("gpt2", "sdpa", 0), _model("gpt2", "sdpa", 1)
+    totals, grads = [], []
+    for batch, inputs in ((packed, chat.packed_model_inputs(packed)), (unpacked, {"attention_mask":
+                                                                               unpacked["attention_mask"]})):
+        student.zero_grad()
+        with torch.no_grad():
+            t_logits = teacher(input_ids=batch["input_ids"], **inputs).logits
+        nll, kl = _per_token(student(input_ids=batch["input_ids"], **inputs).logits, t_logits, batch)
+        (nll.sum() + kl.sum()).backward()
+        totals.append(torch.stack([nll.sum(), kl.sum()]))
+        grads.append([p.grad.clone() for p in student.parameters()])
+    torch.testing.assert_close(totals[0], totals[1], rtol=0, atol=1e-10)
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+
+
+def test_packing_with_sampling_is_accepted_and_the_sampler_packs_after_it(tmp_path):
+    """data.packing: true with on-policy sampling is a valid run (the CLI's loader hands unpacked rows to the
+    sampler, which packs after sampling); with combine: route it is refused before any work; a packed batch
+    reaching a sampler from Python is refused, naming pack_to."""
     from distill_kit.run import run_config, validate
     from distill_kit.training.on_policy import OnPolicyConfig, Sampler
 
     records = tmp_path / "chat.jsonl"
     records.write_text('{"prompt": "What is 1+1?", "completion": "2."}\n')
     config = run_config.load(None, [f"data.train={records}", "data.packing=true", "training.on_policy.fraction=0.5"])
-    assert config.data.packing is True
-    start = validate.Start(config, resume=False, identity={})
-    assert validate.check_packing(start) == [
-        "data.packing: true cannot be combined with training.on_policy.fraction=0.5: sampled rows are not packed "
-        "yet; set data.packing: false (padded rows) or training.on_policy.fraction: 0"]
-    text = run_config.load(None, [f"data.train={tmp_path / 'a.txt'}", "data.packing=true",
-                                  "training.on_policy.fraction=0.5"])
-    assert validate.check_packing(validate.Start(text, resume=False, identity={})) == []  # text: joined blocks
-    unpacked = run_config.load(None, [f"data.train={records}", "training.on_policy.fraction=0.5"])
-    assert unpacked.data.packing is None
-    assert validate.check_packing(validate.Start(unpacked, resume=False, identity={})) == []
-    # A packed batch reaching a sampler from Python is refused too.
+    assert validate.check_packing(validate.Start(config, resume=False, identity={})) == []
+    routed = run_config.load(None, [f"data.train={records}", "data.packing=true", "combine=route", "--teachers",
+                                    "[{name: a, model: x}, {name: b, model: y}]"])
+    assert validate.check_packing(validate.Start(routed, resume=False, identity={})) == [
+        "data.packing: true with combine: route is not supported yet: a packed row would hold conversations of "
+        "several teachers. Set data.packing: false, or combine: sum"]
     batch = chat.packed_batch([[([5, 6], [IGNORE_INDEX, 6])]], PAD)
-    with pytest.raises(ConfigError, match="data.packing: true cannot be combined with training.on_policy.fraction"):
+    with pytest.raises(ConfigError, match="a packed micro-batch reached the on-policy sampler .* set "
+                                          "training.on_policy.pack_to"):
         Sampler(OnPolicyConfig(fraction=0.5), lambda: None)(batch)
 
 
@@ -286,6 +316,22 @@ def test_cli_trains_and_evaluates_on_packed_chat_data(tiny_chat, tmp_path):  # n
         exported = _assistant_perplexity(out / "students" / name, tiny_chat["root"] / "heldout.jsonl")
         # float32 models: packed rows and single conversations round differently, ~1e-6 relative per logit.
         assert exported == pytest.approx(report["summary"]["students"][name]["perplexity"], rel=1e-4)
+
+
+def test_cli_packs_the_sampled_micro_batches_of_an_on_policy_run(tiny_chat, tmp_path):  # noqa: F811
+    """data.packing: true with on-policy sampling through the CLI: the loader hands unpacked rows to the sampler,
+    which packs each sampled micro-batch into rows of data.block_size; the run trains and evaluates."""
+    out = tmp_path / "run"
+    eos = AutoTokenizer.from_pretrained(tiny_chat["teacher"]).eos_token_id  # the tiny teacher's config has GPT-2's
+    args = [a for a in _chat_args(tiny_chat, out) if not a.startswith("[{name")][:-1]
+    done = run_ranks(SCRIPT, [*args, "--students", "[{name: distilled, init: {n_layer: 1, n_embd: 32}}]",
+                              "data.packing=true", "training.on_policy.fraction=0.5",
+                              "training.on_policy.max_new_tokens=3", f"training.on_policy.eos_token_id={eos}"],
+                     nprocs=0)
+    log = done.stdout + done.stderr
+    assert "sampled micro-batches are packed into rows of" in log
+    report = json.loads((out / "report.json").read_text())
+    assert [e["step"] for e in report["evaluations"]] == [2, 4]
 
 
 def test_the_packing_benchmark_runs_on_the_cpu(tmp_path):

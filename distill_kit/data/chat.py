@@ -575,19 +575,20 @@ def pack_lengths(lengths: Sequence[int], capacity: int, seed: int = 0) -> list[l
     return rows
 
 
-def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], pad_id: int) -> Batch:
+def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], pad_id: int,
+                 length: int | None = None) -> Batch:
     """``[B, L]`` ``input_ids``, ``labels`` and ``position_ids`` of rows of whole conversations (module docstring).
 
     Each row is ``(input_ids, labels)`` of its conversations, flattened by transformers'
     ``DataCollatorWithFlattening`` (positions restarting at 0, each conversation's first label -100); rows are
-    then right-padded to the longest, the padding being a segment of its own (positions from 0, labels -100). An
-    empty row is all padding (evaluation's filler rows, which count nothing).
+    then right-padded to the longest (or to ``length``), the padding being a segment of its own (positions from 0,
+    labels -100). An empty row is all padding (evaluation's filler rows, which count nothing).
     """
     flatten = DataCollatorWithFlattening(return_tensors="pt")
     empty = {name: torch.zeros((1, 0), dtype=torch.long) for name in ("input_ids", "labels", "position_ids")}
     flat = [flatten([{"input_ids": list(ids), "labels": list(labels)} for ids, labels in row]) if row else empty
             for row in rows]
-    length = max(1, *(part["input_ids"].shape[1] for part in flat))
+    length = max(1, length or 0, *(part["input_ids"].shape[1] for part in flat))
     batch = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
              "labels": torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long),
              "position_ids": torch.zeros((len(rows), length), dtype=torch.long)}
@@ -597,6 +598,38 @@ def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], 
             batch[name][i, :n] = part[name][0]
         batch["position_ids"][i, n:] = torch.arange(length - n)
     return batch
+
+
+def packed_shape(batch: Mapping[str, torch.Tensor], capacity: int) -> tuple[int, int]:
+    """(rows, tokens of the fullest row) that :func:`pack_padded` makes of ``batch``."""
+    lengths, rows = _pack_plan(batch, capacity)
+    return len(rows), max(sum(lengths[i] for i in row) for row in rows)
+
+
+def pack_padded(batch: Mapping[str, torch.Tensor], capacity: int, pad_id: int,
+                shape: Sequence[int] | None = None) -> Batch:
+    """A right-padded micro-batch (one conversation a row: ``input_ids``, ``labels``, ``attention_mask``) as packed
+    rows of up to ``capacity`` tokens (:func:`pack_lengths`, :func:`packed_batch`), on the batch's device: the same
+    conversations, tokens and counted labels; a row longer than ``capacity`` gets a row of its own. ``shape``
+    (rows, length), at least :func:`packed_shape`'s, pads it further with rows and positions that count nothing
+    (every rank's agreed shape). On-policy steps pack their sampled micro-batches so (``OnPolicyConfig.pack_to``)."""
+    lengths, rows = _pack_plan(batch, capacity)
+    ids, labels = batch["input_ids"].cpu(), batch["labels"].cpu()
+    conversations = [(ids[i, :n].tolist(), labels[i, :n].tolist()) for i, n in enumerate(lengths)]
+    count, length = shape if shape is not None else (len(rows), None)
+    members = [[conversations[i] for i in row] for row in rows] + [[]] * (count - len(rows))
+    packed = packed_batch(members, pad_id, length=length)
+    return {name: value.to(batch["input_ids"].device) for name, value in packed.items()}
+
+
+def _pack_plan(batch: Mapping[str, torch.Tensor], capacity: int) -> tuple[list[int], list[list[int]]]:
+    extra = sorted(set(batch) - {"input_ids", "labels", "attention_mask"})
+    if extra:
+        raise ConfigError(f"packing a sampled micro-batch keeps input_ids, labels and attention_mask only, and this "
+                          f"one also has {extra} (combine: route's teacher_id?): set training.on_policy.pack_to: 0 "
+                          "(data.packing: false)")
+    lengths = [int(n) for n in batch["attention_mask"].sum(1).tolist()]
+    return lengths, pack_lengths(lengths, max(capacity, *lengths))
 
 
 def packed_model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:

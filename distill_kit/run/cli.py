@@ -153,9 +153,16 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
 
 def with_sample_limit(config: RunConfig) -> RunConfig:
     """On-policy samples cut to the fewest positions among the run's models (``on_policy.max_length`` 0): every
-    row a model reads, prompt and sample, then fits it. Filled after the run's identity is taken: it follows from
-    the models, which the identity names."""
+    row a model reads, prompt and sample, then fits it; and with ``data.packing: true`` on chat data, the sampled
+    micro-batches packed into rows of ``data.block_size`` (``on_policy.pack_to``, when not given). Filled after
+    the run's identity is taken: it follows from the models and the data config, which the identity names."""
     on_policy = config.training.on_policy
+    if on_policy.fraction > 0 and config.data.packing is True and not on_policy.pack_to and (
+            config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) == "chat"):
+        on_policy = dataclasses.replace(on_policy, pack_to=config.data.block_size)
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, on_policy=on_policy))
+        logger.info("data.packing: the sampled micro-batches are packed into rows of %d tokens after sampling "
+                    "(training.on_policy.pack_to)", on_policy.pack_to)
     if on_policy.fraction == 0 or on_policy.max_length:
         return config
     limit = validate.row_limit(config)
@@ -190,8 +197,9 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
             chat.require_answers(splits, "the students' losses", ["train"])
         pad = chat.pad_id_of(tokenizer)
         packing = {"packing": data_config.packing is True, "block_size": data_config.block_size}
+        samples = config.training.on_policy.fraction > 0  # the sampler reads unpacked rows, then packs (pack_to)
         loaders = (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed, route=route,
-                                   **packing),
+                                   **packing | ({"packing": False} if samples else {})),
                    chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                    drop_last=False, route=route, **packing))
         if packing["packing"] and distributed.is_main():

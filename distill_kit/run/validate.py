@@ -241,15 +241,14 @@ def check_data(start: Start) -> list[str]:
 
 
 def check_packing(start: Start) -> list[str]:
-    """``data.packing: true`` packs chat conversations (data/chat.py); sampled on-policy rows are not packed yet."""
+    """``data.packing: true`` packs chat conversations (data/chat.py), and with on-policy sampling the sampled
+    micro-batches (``on_policy.pack_to``); a packed row would hold conversations of several teachers under
+    ``combine: route``, which is not supported."""
     config = start.config
-    fraction = config.training.on_policy.fraction
-    if config.data.packing is not True or fraction == 0 or config.data.train == STDLIB_CORPUS:
+    if config.data.packing is not True or config.combine != "route" or config.data.train == STDLIB_CORPUS:
         return []
-    if chat.detect_format(config.data) != "chat":
-        return []  # text: packing joins documents into blocks, as it always has
-    return [f"data.packing: true cannot be combined with training.on_policy.fraction={fraction}: sampled rows are "
-            "not packed yet; set data.packing: false (padded rows) or training.on_policy.fraction: 0"]
+    return ["data.packing: true with combine: route is not supported yet: a packed row would hold conversations of "
+            "several teachers. Set data.packing: false, or combine: sum"]
 
 
 def check_checkpoint_disk(start: Start) -> list[str]:
@@ -354,17 +353,14 @@ def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def check_on_policy(start: Start) -> list[str]:
-    """On-policy training: one student, chat data (the prompts it answers), an end token and a pad token inside
-    every vocabulary, and (sampler teacher) a sampling teacher that takes part in the loss."""
+    """On-policy training: chat data (the prompts it answers), an end token and a pad token inside every
+    vocabulary, and (sampler teacher) a sampling teacher that takes part in the loss. (One student: the plan's.)"""
     config = start.config
     on_policy = config.training.on_policy
     if on_policy.fraction == 0:
         return []
     problems = []
     where = f"training.on_policy.fraction={on_policy.fraction}"
-    if len(config.students) > 1:
-        problems.append(f"{where} with {len(config.students)} students: each would sample its own answers, so they "
-                        "could not share batches. Keep one student, or set training.on_policy.fraction: 0")
     if config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":
         problems.append(f"{where} on text data (data.format: text): a sample answers a prompt, and packed text has "
                         "none. Give chat data (records with messages, or prompt/completion), or set "

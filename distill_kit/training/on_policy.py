@@ -20,6 +20,9 @@ sampled tokens only (``losses/base.py valid_positions``).
   every token, a collective, so it runs with ``synced_gpus``: every rank keeps stepping until the slowest has
   finished, and a rank with no row to sample generates a throw-away one.
 
+With ``pack_to`` the sampled micro-batch's conversations are then packed into rows of up to that many tokens
+(``chat.pack_padded``), as ``data.packing`` packs chat data, so samples of varying length leave little padding.
+
 Ranks sample different lengths; the ZeRO-3 teacher forward that follows then runs on shapes agreed across ranks
 (each pads its batch to the longest row on any rank), so a rank that finished early never waits alone. Row
 choice and sampling draw from the global torch generators, which every checkpoint saves and restores per rank
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import OnPolicyConfig
+from distill_kit.data import chat
 from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError
 from losses.base import IGNORE_INDEX
@@ -50,11 +54,13 @@ logger = logging.getLogger(__name__)
 
 
 def refuse_packed(batch: Mapping[str, Any], fraction: float) -> None:
-    """Sampled rows are not packed yet: a packed batch (``position_ids``, several conversations a row) cannot
-    have rows replaced by prompt + sample. ``validate`` refuses the config before any work; this guards Python use."""
+    """A packed batch (``position_ids``, several conversations a row) cannot have rows replaced by prompt + sample:
+    the sampler takes unpacked rows and packs after sampling (``pack_to``; the CLI's train loader does not pack
+    when the run samples). This guards Python use."""
     if "position_ids" in batch:
-        raise ConfigError(f"data.packing: true cannot be combined with training.on_policy.fraction={fraction}: "
-                          "sampled rows are not packed yet; set data.packing: false (or on_policy.fraction: 0)")
+        raise ConfigError(f"a packed micro-batch reached the on-policy sampler (fraction={fraction}): its rows hold "
+                          "several conversations whose prompts it cannot take apart. Give it unpacked rows and set "
+                          "training.on_policy.pack_to to pack them after sampling")
 
 
 class Sampler:
@@ -76,7 +82,7 @@ class Sampler:
         rows = self.choose_rows(batch)
         prompts = [prompt_of(batch, int(row)) for row in rows]
         samples = self.generate(prompts if prompts or not self.synced else [prompt_of(batch, 0)])[:len(prompts)]
-        return splice(batch, rows, prompts, samples, self.pad_token_id)
+        return self.pack(splice(batch, rows, prompts, samples, self.pad_token_id))
 
     def many(self, batches: Sequence[Mapping[str, Any]]) -> list[Batch]:
         """A step's micro-batches: each one's rows chosen in turn, then all chosen rows sampled together in calls of
@@ -88,8 +94,17 @@ class Sampler:
         rows = [self.choose_rows(batch) for batch in batches]
         prompts = [[prompt_of(batch, int(row)) for row in chosen] for batch, chosen in zip(batches, rows, strict=True)]
         samples = iter(self.generate_batched([p for group in prompts for p in group], prompt_of(batches[0], 0)))
-        return [splice(batch, chosen, group, [next(samples) for _ in group], self.pad_token_id)
+        return [self.pack(splice(batch, chosen, group, [next(samples) for _ in group], self.pad_token_id))
                 for batch, chosen, group in zip(batches, rows, prompts, strict=True)]
+
+    def pack(self, batch: Batch) -> Batch:
+        """With ``pack_to``, the sampled micro-batch's conversations packed into rows (``chat.pack_padded``), padded
+        to the rows and length of the largest on any rank, as ``splice`` agrees the padded rows' length."""
+        if not self.config.pack_to:
+            return batch
+        shape = torch.tensor(chat.packed_shape(batch, self.config.pack_to), device=batch["input_ids"].device)
+        agreed = [int(n) for n in distributed.all_reduce_max(shape).tolist()]
+        return chat.pack_padded(batch, self.config.pack_to, self.pad_token_id, shape=agreed)
 
     def generate_batched(self, prompts: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
         """``generate`` in calls of min(``generation_batch_size``, len(prompts)) rows, the last padded with copies
@@ -252,10 +267,8 @@ def teacher_liger(config: OnPolicyConfig) -> dict[str, bool]:
 def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:
     """Row ``row``'s prompt (the batch contract's, ``chat.prompt_lengths``): its tokens before the first counted
     label, or all of its tokens when none counts."""
-    from distill_kit.data.chat import prompt_lengths  # here: chat reads the run config, which reads this module
-
-    return batch["input_ids"][row, :int(prompt_lengths({k: batch[k][row:row + 1] for k in ("labels",
-                                                                                          "attention_mask")}))]
+    parts = {k: batch[k][row:row + 1] for k in ("labels", "attention_mask")}
+    return batch["input_ids"][row, :int(chat.prompt_lengths(parts))]
 
 
 def splice(batch: Mapping[str, Any], rows: torch.Tensor, prompts: list[torch.Tensor], samples: list[torch.Tensor],

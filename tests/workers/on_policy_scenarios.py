@@ -69,7 +69,8 @@ class Recording(Distiller):
     def make_batches(self, batches):
         made = super().make_batches(batches)
         self.made += [{k: v.detach().cpu().clone() for k, v in batch.items() if torch.is_tensor(v)}
-                      | {"unpadded": int(batch["attention_mask"].sum(1).max())} for batch in made]
+                      | {"unpadded": int(batch["attention_mask"].sum(1).max()) if "attention_mask" in batch else None}
+                      for batch in made]
         return made
 
 
@@ -159,6 +160,31 @@ def equivalence(out: Path, teacher: Path, student: Path, generation_batch_size: 
 def equivalence_step(out: Path, teacher: Path, student: Path) -> None:
     """The same, each step's 4 chosen rows (2 micro-batches x 2) sampled together in calls of 3 rows."""
     equivalence(out, teacher, student, generation_batch_size=3, name="equivalence_step")
+
+
+def packed(out: Path, teacher: Path, student: Path) -> None:
+    """pack_to: the greedy on-policy run of ``equivalence``, each sampled micro-batch packed into rows of up to 32
+    tokens, against the same run unpacked: the same samples, losses and weights (float32 rounding apart)."""
+    plain = GPT2LMHeadModel.from_pretrained(student)
+    first = rank_batches(1, 1, seed=5)[0]
+    eos = greedy(plain, first["input_ids"][0, :int(first["attention_mask"][0].sum())], -1, NEW)[2]
+    runs = {}
+    for pack_to in (0, 32):
+        on_policy = OnPolicyConfig(fraction=2 / 3, max_new_tokens=NEW, temperature=0.0, eos_token_id=eos,
+                                   pad_token_id=0, pack_to=pack_to)
+        distiller = Recording(student, teacher, loss="reverse_kl", training=replace(TRAINING, on_policy=on_policy))
+        history = distiller.train(rank_batches(distributed.rank(), STEPS * GAS, seed=5))
+        runs[pack_to] = (history, gathered(distiller.student_model), distiller.made)
+    (plain_history, plain_params, plain_made), (history, params, made) = runs[0], runs[32]
+    write(out, "packed", {
+        "losses": [h["loss"] for h in history], "ref_losses": [h["loss"] for h in plain_history],
+        "max_param_diff": max_diff(params, plain_params),
+        "max_param_change": max_diff(params, list(plain.parameters())),
+        "packed_rows": [b["input_ids"].shape[0] for b in made], "rows": [b["input_ids"].shape[0] for b in plain_made],
+        "shapes": [list(b["input_ids"].shape) for b in made], "has_positions": all("position_ids" in b for b in made),
+        "counted": [int((b["labels"] != -100).sum()) for b in made],
+        "ref_counted": [int((b["labels"] != -100).sum()) for b in plain_made],
+    })
 
 
 def fraction_zero(out: Path, teacher: Path, student: Path) -> None:
