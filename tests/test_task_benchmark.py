@@ -163,3 +163,21 @@ def test_sampling_without_an_end_token_is_refused():
     with pytest.raises(ValueError, match="set training.on_policy.eos_token_id"):
         _ = Sampler(OnPolicyConfig(fraction=1.0), lambda: model).eos_token_id
     assert Sampler(OnPolicyConfig(fraction=1.0, eos_token_id=3), lambda: model).pad_token_id == 3
+
+
+def test_the_task_grid_merges_its_cells_per_column(tmp_path):
+    """benchmarks/task_grid.py: each (column, recipe, seed) cell is its own CLI run; grid.json holds per column each
+    recipe's mean over the seeds that finished, with the gap closed where SFT and teacher rows are both there."""
+    args = [str(ROOT / "benchmarks/task_grid.py"), "--out", str(tmp_path / "grid"), "--jobs", "2",
+            "--recipes", "teacher", "sft", "--seeds", "0", "1", "--training.max_steps", "2",
+            "--training.micro_batch_size", "4", "--task.labelled", "8", "--task.prompts", "8", "--task.heldout", "8"]
+    done = _run(args, 600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
+    assert all(cell["ok"] for cell in grid["cells"]) and len(grid["cells"]) == 4
+    rows = {row["recipe"]: row for row in grid["columns"]["fp32"]["rows"]}
+    assert rows["teacher"]["exact_match"] == 1.0 and rows["teacher"]["seeds"] == [0, 1]
+    for seed_index, seed in enumerate((0, 1)):  # each cell's own report, summarised
+        cell = json.loads((tmp_path / "grid" / "fp32" / f"sft_{seed}" / "report.json").read_text())
+        assert rows["sft"]["exact_match_per_seed"][seed_index] == cell["rows"][0]["exact_match"]
+    assert rows["sft"]["gap_closed"] == 0.0 and rows["teacher"]["gap_closed"] == 1.0
