@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from launch import ROOT
+from test_cli import _main_error
 
 from distill_kit import Distiller
 from distill_kit.config import TrainingConfig
@@ -142,14 +143,13 @@ def test_task_comparison_runs_and_writes_the_table(tmp_path):
     assert report["seconds"] >= sum(e["seconds"] for e in report["per_seed"])
     assert all((tmp_path / "run" / f"seed_{s}" / "students" / "sft" / "config.json").is_file() for s in (0, 1))
     assert "range" in done.stdout and "seeds 0,1" in done.stdout
-    again = _run(args, 300)
-    assert again.returncode != 0 and "already holds a report.json" in again.stderr
-    resumed = _run([*args, "--resume"], 300)
-    assert resumed.returncode != 0 and "--resume does not apply to a task benchmark" in resumed.stderr
-    fresh = [*args[:4], str(tmp_path / "fp8"), *args[5:], "--training.teacher_precision", "fp8"]  # no GPU here
-    refused = _run(fresh, 300)
-    assert refused.returncode != 0 and "teacher_precision 'fp8': no CUDA GPU" in refused.stderr
-    assert not (tmp_path / "fp8").exists()  # the run's checks come before its first write
+    # Refusals, in this process (nothing loads before them): the same command again, --resume, and an FP8 teacher
+    # on a machine without a GPU, whose start-up checks come before the benchmark's first write.
+    assert "already holds a report.json" in _main_error(*args[1:])
+    assert "--resume does not apply to a task benchmark" in _main_error(*args[1:], "--resume")
+    fresh = [*args[1:4], str(tmp_path / "fp8"), *args[5:], "--training.teacher_precision", "fp8"]
+    assert "teacher_precision 'fp8': no CUDA GPU" in _main_error(*fresh)
+    assert not (tmp_path / "fp8").exists()
 
 
 def test_sampling_without_an_end_token_is_refused():
@@ -165,19 +165,28 @@ def test_sampling_without_an_end_token_is_refused():
     assert Sampler(OnPolicyConfig(fraction=1.0, eos_token_id=3), lambda: model).pad_token_id == 3
 
 
-def test_the_task_grid_merges_its_cells_per_column(tmp_path):
-    """benchmarks/task_grid.py: each (column, recipe, seed) cell is its own CLI run; grid.json holds per column each
-    recipe's mean over the seeds that finished, with the gap closed where SFT and teacher rows are both there."""
+def test_the_task_grid_runs_each_cell_and_merges_them_per_column(tmp_path):
+    """benchmarks/task_grid.py: each (column, recipe, seed) cell is its own CLI run (two here, side by side), and
+    grid.json holds per column each recipe's mean over the seeds that finished (``merge``, below on made-up cells),
+    with the gap closed where SFT and teacher rows are both there."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import task_grid
+
     args = [str(ROOT / "benchmarks/task_grid.py"), "--out", str(tmp_path / "grid"), "--jobs", "2",
-            "--recipes", "teacher", "sft", "--seeds", "0", "1", "--training.max_steps", "2",
+            "--recipes", "teacher", "sft", "--seeds", "0", "--training.max_steps", "2",
             "--training.micro_batch_size", "4", "--task.labelled", "8", "--task.prompts", "8", "--task.heldout", "8"]
     done = _run(args, 600)
     assert done.returncode == 0, done.stderr[-3000:]
     grid = json.loads((tmp_path / "grid" / "grid.json").read_text())
-    assert all(cell["ok"] for cell in grid["cells"]) and len(grid["cells"]) == 4
+    assert all(cell["ok"] for cell in grid["cells"]) and len(grid["cells"]) == 2
     rows = {row["recipe"]: row for row in grid["columns"]["fp32"]["rows"]}
-    assert rows["teacher"]["exact_match"] == 1.0 and rows["teacher"]["seeds"] == [0, 1]
-    for seed_index, seed in enumerate((0, 1)):  # each cell's own report, summarised
-        cell = json.loads((tmp_path / "grid" / "fp32" / f"sft_{seed}" / "report.json").read_text())
-        assert rows["sft"]["exact_match_per_seed"][seed_index] == cell["rows"][0]["exact_match"]
-    assert rows["sft"]["gap_closed"] == 0.0 and rows["teacher"]["gap_closed"] == 1.0
+    assert rows["teacher"]["exact_match"] == 1.0 and rows["sft"]["gap_closed"] == 0.0
+
+    def cell(value: float) -> dict:
+        return {"rows": [{"recipe": "x", "exact_match": value, "answer_kl": 0.0, "train_seconds": 1.0}]}
+
+    cells = [("fp8", "sft", 0), ("fp8", "sft", 1), ("fp8", "sft", 2)]
+    merged = task_grid.merge(cells, {cells[0]: cell(0.2), cells[1]: None, cells[2]: cell(0.4)})
+    (row,) = merged["fp8"]["rows"]  # seed 1's cell failed: the mean is over the two that finished
+    assert row["seeds"] == [0, 2] and row["exact_match_per_seed"] == [0.2, 0.4]
+    assert row["exact_match"] == pytest.approx(0.3) and (row["exact_match_min"], row["exact_match_max"]) == (0.2, 0.4)
