@@ -33,6 +33,7 @@ from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.training import checkpoint
+from distill_kit.training.on_policy import end_token
 from distill_kit.training.on_policy import positions as on_policy_positions
 from distill_kit.training.plan import make_plan
 from distill_kit.training.teachers import check_weights, tokenizer_problems
@@ -392,18 +393,14 @@ def check_on_policy(start: Start) -> list[str]:
 
 
 def _end_token(source: str, config: PretrainedConfig) -> int | None:
-    """The token a sample ends at, as the sampler reads it: the generation config's, else the model config's."""
-    eos = None
+    """The sampler's end token (``on_policy.end_token``), read from the model's folder."""
+    generation = None
     if (Path(source) / "generation_config.json").is_file():
         try:
-            eos = GenerationConfig.from_pretrained(source).eos_token_id
+            generation = GenerationConfig.from_pretrained(source)
         except Exception:  # noqa: BLE001 - an unreadable generation config: the model config's end token
             pass
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return eos
+    return end_token(generation, config)
 
 
 def check_data_format(start: Start) -> list[str]:

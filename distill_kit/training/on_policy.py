@@ -186,10 +186,7 @@ class Sampler:
         if self.config.eos_token_id is not None:
             return self.config.eos_token_id
         model = self.model()
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = eos if eos is not None else getattr(model.config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
+        eos = end_token(getattr(model, "generation_config", None), model.config)
         if eos is None:
             raise ValueError("on-policy sampling needs an end token: the model's config has no eos_token_id; set "
                              "training.on_policy.eos_token_id (e.g. the tokenizer's eos_token_id)")
@@ -201,6 +198,16 @@ class Sampler:
             return self.config.pad_token_id
         pad = getattr(self.model().config, "pad_token_id", None)
         return int(pad) if pad is not None else self.eos_token_id
+
+
+def end_token(generation_config: Any, model_config: Any) -> int | None:
+    """The token a sample ends at: the generation config's ``eos_token_id``, else the model config's; the first of
+    a list. The sampler reads it from the model, the CLI's start-up check from the model's folder."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = eos if eos is not None else getattr(model_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
 
 
 def positions(config: Any) -> int | None:
