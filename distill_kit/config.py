@@ -441,12 +441,17 @@ def specs(cls: type, entries: Sequence[Any], kind: str) -> list[Any]:
     """``entries`` (specs or plain dicts) as a list of ``cls`` with distinct names; dicts go through :func:`build`."""
     built = [build(cls, entry, f"{kind}s[{i}].") if isinstance(entry, Mapping) else entry
              for i, entry in enumerate(entries)]
+    check_names(built, kind)
+    return built
+
+
+def check_names(built: Sequence[Any], kind: str) -> None:
+    """Specs of one kind have distinct names: a name names its folder, log keys and report row."""
     names = [spec.name for spec in built]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ConfigError(f"{kind}s: the names {repeated} are given more than once; each {kind} needs its own "
                           "name (it names its folder, log keys and report row)")
-    return built
 
 
 # ---- dicts <-> dataclasses ---

@@ -261,8 +261,9 @@ def test_a_sampled_micro_batch_packs_to_the_same_losses_and_gradients():
         ids = torch.randint(1, 90, (n,)).tolist()
         rows.append((ids, [IGNORE_INDEX] * (n // 2) + ids[n // 2:]))  # prompt, then the counted sample
     unpacked = chat.pad_rows([r[0] for r in rows], [r[1] for r in rows], PAD)
-    shape = chat.packed_shape(unpacked, 24)
-    packed = chat.pack_padded(unpacked, 24, PAD, shape=(shape[0] + 1, shape[1] + 3))
+    seen = []  # the packing's own shape, as a rank offers it for agreement
+    packed = chat.pack_padded(unpacked, 24, PAD, agree=lambda shape: seen.append(shape) or (shape[0] + 1, shape[1] + 3))
+    (shape,) = seen
     assert packed["input_ids"].shape == (shape[0] + 1, shape[1] + 3) and shape[0] < len(rows)
     assert shape[1] == 30  # the 30-token conversation alone in its row
     assert int(valid_positions(packed).sum()) == int(valid_positions(unpacked).sum())

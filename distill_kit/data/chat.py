@@ -64,7 +64,7 @@ import bisect
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -600,23 +600,19 @@ def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], 
     return batch
 
 
-def packed_shape(batch: Mapping[str, torch.Tensor], capacity: int) -> tuple[int, int]:
-    """(rows, tokens of the fullest row) that :func:`pack_padded` makes of ``batch``."""
-    lengths, rows = _pack_plan(batch, capacity)
-    return len(rows), max(sum(lengths[i] for i in row) for row in rows)
-
-
 def pack_padded(batch: Mapping[str, torch.Tensor], capacity: int, pad_id: int,
-                shape: Sequence[int] | None = None) -> Batch:
+                agree: Callable[[tuple[int, int]], Sequence[int]] | None = None) -> Batch:
     """A right-padded micro-batch (one conversation a row: ``input_ids``, ``labels``, ``attention_mask``) as packed
     rows of up to ``capacity`` tokens (:func:`pack_lengths`, :func:`packed_batch`), on the batch's device: the same
-    conversations, tokens and counted labels; a row longer than ``capacity`` gets a row of its own. ``shape``
-    (rows, length), at least :func:`packed_shape`'s, pads it further with rows and positions that count nothing
-    (every rank's agreed shape). On-policy steps pack their sampled micro-batches so (``OnPolicyConfig.pack_to``)."""
+    conversations, tokens and counted labels; a row longer than ``capacity`` gets a row of its own. ``agree`` maps
+    the packing's (rows, tokens of the fullest row) to the shape to pad to, at least as large (every rank's agreed
+    shape: the extra rows and positions count nothing). On-policy steps pack their sampled micro-batches so
+    (``OnPolicyConfig.pack_to``)."""
     lengths, rows = _pack_plan(batch, capacity)
     ids, labels = batch["input_ids"].cpu(), batch["labels"].cpu()
     conversations = [(ids[i, :n].tolist(), labels[i, :n].tolist()) for i, n in enumerate(lengths)]
-    count, length = shape if shape is not None else (len(rows), None)
+    shape = (len(rows), max(sum(lengths[i] for i in row) for row in rows))
+    count, length = agree(shape) if agree is not None else shape
     members = [[conversations[i] for i in row] for row in rows] + [[]] * (count - len(rows))
     packed = packed_batch(members, pad_id, length=length)
     return {name: value.to(batch["input_ids"].device) for name, value in packed.items()}

@@ -63,6 +63,12 @@ def teacher_kernels(kernels: str, precision: str) -> str:
     return "compile" if precision == "fp8" and kernels == "auto" else kernels
 
 
+def run_teacher_kernels(training: Any) -> str:
+    """The teachers' kernels choice of a run's ``TrainingConfig``: what :class:`~distill_kit.training.teachers.
+    Teachers` applies, and what a student's Liger options depend on (``kernels.beside``)."""
+    return teacher_kernels(training.teacher_kernels, resolve(training.teacher_precision, training.dtype))
+
+
 # ---- refusals, before anything loads --------------------------------------------------------------------------
 
 

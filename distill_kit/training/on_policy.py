@@ -102,9 +102,12 @@ class Sampler:
         to the rows and length of the largest on any rank, as ``splice`` agrees the padded rows' length."""
         if not self.config.pack_to:
             return batch
-        shape = torch.tensor(chat.packed_shape(batch, self.config.pack_to), device=batch["input_ids"].device)
-        agreed = [int(n) for n in distributed.all_reduce_max(shape).tolist()]
-        return chat.pack_padded(batch, self.config.pack_to, self.pad_token_id, shape=agreed)
+
+        def agree(shape: tuple[int, int]) -> list[int]:
+            largest = distributed.all_reduce_max(torch.tensor(shape, device=batch["input_ids"].device))
+            return [int(n) for n in largest.tolist()]
+
+        return chat.pack_padded(batch, self.config.pack_to, self.pad_token_id, agree=agree)
 
     def generate_batched(self, prompts: list[torch.Tensor], filler: torch.Tensor) -> list[torch.Tensor]:
         """``generate`` in calls of min(``generation_batch_size``, len(prompts)) rows, the last padded with copies

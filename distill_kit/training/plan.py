@@ -15,7 +15,7 @@ from typing import Any
 
 import deepspeed
 
-from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig
+from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig, check_names
 from distill_kit.engines import fp8, kernels, models, peft_student
 from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
@@ -137,12 +137,8 @@ def check_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec]
     """The shapes a run cannot have, each with its fix."""
     if not students:
         raise ConfigError("no students: give at least one, e.g. students=[StudentSpec(name='small', model=...)]")
-    for kind, specs in (("student", students), ("teacher", teachers)):
-        names = [spec.name for spec in specs]
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
-            raise ConfigError(f"{kind}s: the names {repeated} are given more than once; each {kind} needs its own "
-                              "name (it names its folder, log keys and report row)")
+    check_names(students, "student")  # again for specs given to make_plan directly (config.specs checks them)
+    check_names(teachers, "teacher")
     missing = [s.name for s in students if s.model is None]
     if missing:
         raise ConfigError(f"students {missing} have no model: give each a model (a directory, a hub name or an "

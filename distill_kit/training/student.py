@@ -45,10 +45,8 @@ class Student:
         self.training = training
         self.export_merged = peft_student.wants_merged_export(spec.peft)
         model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions)
-        teacher_kernels = fp8.teacher_kernels(training.teacher_kernels,
-                                              fp8.resolve(training.teacher_precision, training.dtype))
         kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels",
-                      liger=kernels.beside(teacher_kernels))
+                      liger=kernels.beside(fp8.run_teacher_kernels(training)))
         if adapters is not None:
             model = peft_student.wrap(model, adapters)
         self.engine: deepspeed.DeepSpeedEngine = build_student(model, loss, ds_config, training)

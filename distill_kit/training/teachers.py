@@ -73,7 +73,7 @@ class Teachers:
                 continue
             model = fp8.load_teacher(spec.model, ds_configs[spec.name], training.dtype, precision, need_attentions,
                                      device)
-            kernels.apply(model, fp8.teacher_kernels(training.teacher_kernels, precision), "training.teacher_kernels",
+            kernels.apply(model, fp8.run_teacher_kernels(training), "training.teacher_kernels",
                           liger=teacher_liger(training.on_policy))
             self.engines[spec.name] = build_teacher(model, ds_configs[spec.name], training.dtype, device)
         self._identities: dict[str, str] | None = None
