@@ -640,6 +640,11 @@ def packed_model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return {"position_ids": batch["position_ids"], "attention_mask": None, "use_cache": False}
 
 
+ROUTED_PACKING = ("data.packing: true with combine: route is not supported yet: a packed row would hold "
+                  "conversations of several teachers. Set data.packing: false, or combine: sum")
+"""The refusal of packed routed rows: the loader's, and the CLI's start-up check's (``run/validate.py``)."""
+
+
 class ChatLoader(EpochLoader):
     """Right-padded micro-batches of one rank over tokenised conversations; every rank gets ``len(self)``.
 
@@ -664,8 +669,7 @@ class ChatLoader(EpochLoader):
         micro-batch carries ``teacher_id`` and every rank forwards the same one teacher at the same step."""
         _check_rank(rank, world_size, micro_batch_size)
         if route is not None and packing:
-            raise ConfigError("data.packing: true with combine: route is not supported yet: a packed row would hold "
-                              "conversations of several teachers. Set data.packing: false, or combine: sum")
+            raise ConfigError(ROUTED_PACKING)
         global_batch = world_size * micro_batch_size
         if len(dataset) == 0:
             raise ValueError("the dataset has no conversations: check the data files")

@@ -248,8 +248,7 @@ def check_packing(start: Start) -> list[str]:
     config = start.config
     if config.data.packing is not True or config.combine != "route" or config.data.train == STDLIB_CORPUS:
         return []
-    return ["data.packing: true with combine: route is not supported yet: a packed row would hold conversations of "
-            "several teachers. Set data.packing: false, or combine: sum"]
+    return [chat.ROUTED_PACKING]
 
 
 def check_checkpoint_disk(start: Start) -> list[str]:
