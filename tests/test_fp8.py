@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distill_kit.config import TrainingConfig
-from distill_kit.engines import fingerprint, fp8
+from distill_kit.engines import fingerprint, fp8, models
 from distill_kit.errors import ConfigError
 from distill_kit.run.run_config import DEFAULT_TEACHER
 
@@ -63,7 +63,7 @@ def test_layer_by_layer_load_equals_whole_model_quantised(tmp_path):
     streamed = fp8.load(DEFAULT_TEACHER, torch.device("cpu"), backend="fake")
     whole = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER, dtype=torch.bfloat16)
     bf16 = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER, dtype=torch.bfloat16).eval()
-    for layer in fp8.decoder_layers(whole):
+    for layer in models.decoder_layers(whole):
         fp8.quantize_layer(layer, "fake")
     whole.eval()
     ids = torch.randint(0, whole.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -156,7 +156,7 @@ def test_weight_bytes_counts_one_byte_per_quantised_weight():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=4, vocab_size=100, tie_word_embeddings=False)
     skeleton = fp8.empty_model(config)
-    linear = sum(m.weight.numel() + 4 * m.out_features for layer in fp8.decoder_layers(skeleton)
+    linear = sum(m.weight.numel() + 4 * m.out_features for layer in models.decoder_layers(skeleton)
                  for m in layer.modules() if isinstance(m, nn.Linear))
     rest = 2 * (2 * 100 * 64 + 64 + 2 * 2 * 64)  # embeddings + head, final norm, two norms a layer, in bf16
     assert fp8.weight_bytes(skeleton) == linear + rest

@@ -112,23 +112,18 @@ def check_teacher(precision: str, dtype: str, source: models.ModelSource, key: s
 
 def weight_bytes(model: nn.Module) -> int:
     """The FP8 teacher's weight bytes: 1 a decoder-layer linear weight (+ a float32 scale a row), 2 the rest."""
-    linear = {id(m.weight): m for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, nn.Linear)}
+    linear = {id(m.weight): m for layer in models.decoder_layers(model) for m in layer.modules()
+              if isinstance(m, nn.Linear)}
     total = 0
     for param in {id(p): p for p in model.parameters()}.values():
         total += param.numel() + 4 * param.shape[0] if id(param) in linear else 2 * param.numel()
     return total
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks the model names in ``_no_split_modules``: what is quantised, and compiled one by one."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
 def uncovered_layers(model: nn.Module) -> str | None:
     """What in ``model`` torchao's FP8 linear cannot run, in words, or None."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    layers = decoder_layers(model)
+    layers = models.decoder_layers(model)
     if not layers:
         return (f"model type {model_type!r} ({type(model).__name__}) names no decoder layers (_no_split_modules) to "
                 "quantise")
@@ -278,7 +273,7 @@ def load(source: models.ModelSource | Any, device: torch.device, *, need_attenti
         return source  # loaded in FP8 already (a benchmark's shape-only teacher, see benchmarks/bench_step.py)
     if isinstance(source, nn.Module):
         model = source.to(device=device, dtype=torch.bfloat16)
-        for layer in decoder_layers(model):
+        for layer in models.decoder_layers(model):
             quantize_layer(layer, backend)
         return _finish(model)
     config = source if weights is not None and not isinstance(source, str | Path) else models.model_config(source)
@@ -296,7 +291,7 @@ def load(source: models.ModelSource | Any, device: torch.device, *, need_attenti
             return tensor.to(device=device, dtype=torch.bfloat16)
 
     model = empty_model(config, need_attentions)
-    layers = decoder_layers(model)
+    layers = models.decoder_layers(model)
     in_layer = {id(p): index for index, layer in enumerate(layers) for p in layer.parameters()}
     groups: list[list[str]] = [[] for _ in range(len(layers) + 1)]  # [0]: embeddings, norm, head; then each layer
     head = model.get_output_embeddings()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from distill_kit import config
+from distill_kit.engines import models
 from distill_kit.errors import ConfigError
 
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
@@ -65,7 +66,7 @@ def resolve(choice: str, model: nn.Module, key: str = "kernels") -> str:
     if choice == "auto":
         usable = torch.cuda.is_available() and config.liger_installed() and model_type in _liger_patchers()
         return "liger" if usable else "none"
-    if choice == "compile" and not _decoder_layers(model):
+    if choice == "compile" and not models.decoder_layers(model):
         raise _error(f"{key} 'compile' found no decoder layers in {type(model).__name__} (none of the classes in its "
                      f"_no_split_modules); set {key} to 'none'")
     return choice
@@ -81,7 +82,7 @@ def apply(model: nn.Module, choice: str, key: str = "kernels", liger: Mapping[st
         with _instance_only(model):
             patch(model=model, **{k: v for k, v in (LIGER_KERNELS | dict(liger or {})).items() if k in accepted})
     elif applied == "compile":
-        for layer in _decoder_layers(model):
+        for layer in models.decoder_layers(model):
             layer.compile()
     return applied
 
@@ -106,7 +107,3 @@ def _instance_only(model: nn.Module) -> Iterator[None]:
             if name != ROPE and getattr(module, name, None) is not value:
                 setattr(module, name, value)
 
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]

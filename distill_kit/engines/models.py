@@ -75,6 +75,13 @@ def model_type(source: ModelSource) -> str | None:
     return getattr(model_config(source), "model_type", None)
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks the model names in ``_no_split_modules``: what ``kernels: compile`` compiles one by one
+    and an FP8 teacher quantises (and loads) one by one."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def hidden_size(source: ModelSource) -> int | None:
     return facts(source)["hidden_size"]
 
