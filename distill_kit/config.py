@@ -37,6 +37,15 @@ CHOICES = ("none", "liger", "compile", "auto")
 Precision = Literal["auto", "bf16", "fp8"]
 
 
+def check_teacher_precision(precision: str, dtype: str, precision_key: str, dtype_key: str) -> None:
+    """``bf16`` names a bf16 run's teacher: a teacher that is not FP8 runs in the run's dtype, so in another dtype
+    ``bf16`` would silently mean that dtype (a training run's and a capture's rule)."""
+    if precision == "bf16" and dtype != "bf16":
+        raise ValueError(f"{precision_key} 'bf16' with {dtype_key} {dtype!r}: a teacher that is not FP8 runs in the "
+                         f"run's dtype; set {dtype_key} bf16, or {precision_key.rpartition('.')[2]} auto (the run's "
+                         "dtype) or fp8")
+
+
 def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
@@ -207,10 +216,7 @@ class TrainingConfig:
             raise ValueError(f"invalid training settings: {values}")
         for key in ("teacher_kernels", "student_kernels"):
             check_kernels(getattr(self, key), f"training.{key}")
-        if self.teacher_precision == "bf16" and self.dtype != "bf16":
-            raise ValueError(f"training.teacher_precision 'bf16' with training.dtype {self.dtype!r}: a teacher that "
-                             "is not FP8 runs in the run's dtype; set training.dtype bf16, or teacher_precision "
-                             "auto (the run's dtype) or fp8")
+        check_teacher_precision(self.teacher_precision, self.dtype, "training.teacher_precision", "training.dtype")
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)

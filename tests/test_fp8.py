@@ -112,6 +112,12 @@ def test_config_names_and_auto():
     with pytest.raises(ValueError, match="teacher_precision 'bf16' with training.dtype 'fp32'.*set training.dtype"):
         TrainingConfig(teacher_precision="bf16")
     assert TrainingConfig(teacher_precision="bf16", dtype="bf16").teacher_precision == "bf16"
+    from distill_kit.offline.capture import CaptureConfig  # the capture's config keeps the same rule
+
+    with pytest.raises(ValueError, match="capture teacher_precision 'bf16' with dtype 'fp32'.*set dtype bf16"):
+        CaptureConfig(dtype="fp32", teacher_precision="bf16")
+    with pytest.raises(ValueError, match="capture teacher_precision must be auto, bf16 or fp8, got 'fp4'"):
+        CaptureConfig(teacher_precision="fp4")
 
 
 def test_refusals_before_loading(monkeypatch):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit.config import CONFIG_DIR, Precision, TrainingConfig
+from distill_kit.config import CONFIG_DIR, Precision, TrainingConfig, check_teacher_precision
 from distill_kit.data.blocks import BlockLoader
 from distill_kit.engines import distributed, fingerprint, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
@@ -62,6 +62,7 @@ class CaptureConfig:
                 raise ValueError(f"capture {name} must be >= 1, got {getattr(self, name)}")
         if self.teacher_precision not in ("auto", "bf16", "fp8"):
             raise ValueError(f"capture teacher_precision must be auto, bf16 or fp8, got {self.teacher_precision!r}")
+        check_teacher_precision(self.teacher_precision, self.dtype, "capture teacher_precision", "dtype")
 
 
 def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
