@@ -251,10 +251,10 @@ def test_a_checkpoint_disk_without_room_is_refused_naming_the_sizes(tiny, tmp_pa
     # Two 1-layer students of width 32 on a 300-token vocabulary, fp32: weights and three fp32 optimizer states.
     parameters = sum(validate._parameters(c) for c in start.students().values())
     each = parameters * (4 + 12)
-    monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each - 1)
+    monkeypatch.setattr(validate.checkpoint, "free_bytes", lambda path: 3 * each - 1)
     (problem,) = validate.check_checkpoint_disk(start)
     assert f"needs about {3 * each / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each" in problem
-    monkeypatch.setattr(validate, "_free_bytes", lambda path: 3 * each)
+    monkeypatch.setattr(validate.checkpoint, "free_bytes", lambda path: 3 * each)
     assert validate.check_checkpoint_disk(start) == []
 
 

@@ -343,7 +343,7 @@ def test_a_failed_save_names_the_folder_the_cause_and_the_free_space(tmp_path, m
                                               r"choose another") as raised:
         save(tmp_path, 4, engine=_FullDisk())
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: 4096)  # the disk filled during the save
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 4096)  # the disk filled during the save
     with pytest.raises(CheckpointError, match=r"partial-step_00000004: no space left on device\. "):
         save(tmp_path, 4, engine=_FullDisk())
     monkeypatch.undo()

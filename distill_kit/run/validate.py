@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import inspect
 import json
-import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -254,9 +253,7 @@ def check_packing(start: Start) -> list[str]:
 def check_checkpoint_disk(start: Start) -> list[str]:
     """The checkpoint folder can be written, and its disk has room for the checkpoints the run will keep."""
     directory = Path(start.config.training.checkpoint_dir)
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = checkpoint.nearest_existing(directory)
     if not existing.is_dir():
         return [f"training.checkpoint_dir {str(directory)!r} cannot be created: {existing} is not a folder"]
     try:
@@ -271,17 +268,13 @@ def check_checkpoint_disk(start: Start) -> list[str]:
     kept = start.config.training.keep_checkpoints
     on_disk = sum(1 for p in directory.glob(checkpoint.PREFIX + "*")) if directory.is_dir() else 0
     needed = max(1, kept + 1 - on_disk) * sum(sizes)  # a new one is written before the oldest is deleted
-    free = _free_bytes(existing)
+    free = checkpoint.free_bytes(existing)
     if free < needed:
         return [f"training.checkpoint_dir {str(directory)!r}: its disk has {free / 1e9:.2f} GB free, but the run "
                 f"needs about {needed / 1e9:.2f} GB for its checkpoints ({sum(sizes) / 1e9:.2f} GB each: weights "
                 f"and optimizer states; {kept} kept, and one more while a new one is written). Free space, lower "
                 "training.keep_checkpoints, or choose another training.checkpoint_dir"]
     return []
-
-
-def _free_bytes(path: Path) -> int:
-    return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
 
 
 def _hidden_size(config: PretrainedConfig) -> int | None:

@@ -318,23 +318,27 @@ def remove_leftovers(directory: str | Path) -> None:
 def write_failure(err: BaseException, directory: str | Path) -> str:
     """Why a write failed, in words: a full disk says so even when DeepSpeed's C++ writer reports only
     "basic_ios::clear: iostream error" (no errno), judged by the space left."""
-    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or _free_bytes(directory) < FULL_DISK_BYTES
+    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free_bytes(directory) < FULL_DISK_BYTES
     return "no space left on device" if full else f"{type(err).__name__}: {err}"
 
 
-def _free_bytes(directory: str | Path) -> int:
+def nearest_existing(directory: str | Path) -> Path:
+    """``directory``, or its nearest parent that exists (where a folder still to be made would go)."""
     existing = Path(directory).absolute()
-    while not existing.exists():
+    while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    return shutil.disk_usage(existing).free
+    return existing
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Space left on the disk that holds ``directory`` (or would hold it)."""
+    return shutil.disk_usage(nearest_existing(directory)).free
 
 
 def disk_space(directory: str | Path) -> str:
     """How much space the disk holding ``directory`` (or its nearest existing parent) has left, in words."""
-    existing = Path(directory).absolute()
-    while not existing.exists():
-        existing = existing.parent
-    return f"{_free_bytes(existing) / 1e9:.2f} GB free on the disk of {existing}"
+    existing = nearest_existing(directory)
+    return f"{free_bytes(existing) / 1e9:.2f} GB free on the disk of {existing}"
 
 
 def _prune(directory: Path, keep_last: int, written: Path) -> None:
