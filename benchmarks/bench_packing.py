@@ -1,6 +1,7 @@
 """Packed chat batches (``data.packing: true``) against length-grouped and random padding: counted tokens/s.
 
-The same synthetic conversations go through three batchings, each with ``--micro-batch`` rows a micro-batch:
+The same synthetic conversations go through three batchings, each with ``--micro-batch`` rows a micro-batch
+(``--padded-micro-batch`` rows for the padded two, to compare steps of about the same positions):
 
 * ``packed``: ``ChatLoader(packing=True)``, whole conversations in rows of up to ``--block-size`` tokens;
 * ``grouped``: ``ChatLoader`` as today, rows of similar length in a micro-batch (the Hugging Face Trainer's grouping);
@@ -89,13 +90,14 @@ def batches(mode: str, data: datasets.Dataset, args: argparse.Namespace) -> list
     common = dict(pad_id=0, world_size=args.world_size, seed=args.seed)
     if mode == "packed":
         return list(chat.ChatLoader(data, args.micro_batch, packing=True, block_size=args.block_size, **common))
+    rows_per_batch = args.padded_micro_batch or args.micro_batch
     if mode == "grouped":
-        return list(chat.ChatLoader(data, args.micro_batch, **common))
+        return list(chat.ChatLoader(data, rows_per_batch, **common))
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
-    size = args.micro_batch * args.world_size
+    size = rows_per_batch * args.world_size
     out = []
     for start in range(0, len(order) - size + 1, size):
-        rows = data[order[start : start + args.micro_batch]]
+        rows = data[order[start : start + rows_per_batch]]
         out.append(chat.pad_rows(rows["input_ids"], rows["labels"], 0))
     return out
 
@@ -130,7 +132,8 @@ def step_times(mode_batches: list[dict], args: argparse.Namespace, device: torch
     steps, warmup = (args.steps, args.warmup) if args.steps else (len(mode_batches), len(mode_batches))
     timed = [mode_batches[(i - warmup) % len(mode_batches)] for i in range(warmup + steps)]
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    training = TrainingConfig(max_steps=len(timed), micro_batch_size=args.micro_batch, dtype=dtype, lr=1e-5,
+    rows = mode_batches[0]["input_ids"].shape[0]
+    training = TrainingConfig(max_steps=len(timed), micro_batch_size=rows, dtype=dtype, lr=1e-5,
                               log_every=10**9)
     teacher_config, student_config = configs(args.pair, args.block_size)
     student_ds, teacher_ds = deepspeed_config.prepare_pair(
@@ -164,6 +167,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--padded-micro-batch", type=int, default=None,
+                        help="rows a micro-batch of the grouped and random batchings (default: --micro-batch); "
+                        "e.g. 20 gives them about the positions a step of 4 packed rows of 2,048 has")
     parser.add_argument("--world-size", type=int, default=1, help="ranks the epoch is split over (rank 0 timed)")
     parser.add_argument("--steps", type=int, default=5, help="timed micro-batches; 0: the whole epoch's, on a second "
                         "pass after an untimed one (the same conversations in every batching, every shape seen once)")
