@@ -140,6 +140,10 @@ def test_report_and_checkpoints_record_every_teacher(runs, tiny):
     (lambda t: _teachers(t, (0.0, 0.0)), "teachers: every teacher has weight 0: give at least one a weight > 0"),
     (lambda t: ["--teachers", f"[{{name: a, model: {t['a']}}}, {{name: o, model: {t['other']}}}]"],
      "teachers[o]: its tokenizer differs from the run's ("),
+    (lambda t: [*_teachers(t), "--students", f"[{{name: s, model: {t['other']}, loss: forward_kl}}]"],
+     "students[s].model: its tokenizer differs from the run's ("),
+    (lambda t: [f"teacher={t['a']}", "--students", f"[{{name: s, model: {t['other']}, loss: forward_kl}}]"],
+     "students[s].model: its tokenizer differs from the run's ("),
     (lambda t: ["--teachers", "[{name: a}]"], "teachers[0]: teacher 'a' has no model: give model: path/to/teacher"),
     (lambda t: [*_teachers(t), "combine=mixture", "--students", "[{name: s, init: {n_layer: 1}, loss: hidden_mse}]"],
      "students[s].loss with combine: mixture: combine: mixture averages the teachers' distributions; hidden-state"),
@@ -160,6 +164,6 @@ def test_teacher_config_errors_stop_before_any_write(tiny, tmp_path, extra, mess
 def test_the_tokenizer_error_names_the_cross_tokenizer_route(tiny, tmp_path):
     got = _main_error(*_args(tiny, tmp_path / "run"), "--teachers",
                       f"[{{name: a, model: {tiny['a']}}}, {{name: o, model: {tiny['other']}}}]")
-    assert "use teachers that share the student's tokenizer" in got
+    assert "use teachers and students that share the student's tokenizer" in got
     assert "loss cross_tokenizer with student_tokenizer, takes one teacher: teacher:" in got
     assert not (tmp_path / "run").exists()

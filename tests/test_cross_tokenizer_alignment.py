@@ -146,12 +146,15 @@ def test_paired_dataset_columns_and_bytes(tmp_path):
         assert all((label == -100) == (m == 0) for label, m in zip(labels, mask, strict=True))
 
 
-def test_tokenizer_mismatch_errors_name_the_loss_to_use():
-    from distill_kit.engines.models import check_tokenizers
+def test_tokenizer_mismatch_errors_name_the_loss_to_use(tmp_path):
     from distill_kit.training.plan import check_vocabulary
+    from distill_kit.training.teachers import tokenizer_problems
 
-    with pytest.raises(ValueError, match="cross_tokenizer.*student_tokenizer"):
-        check_tokenizers(bpe("a b"), bpe())
+    for name, tokenizer in (("teacher", bpe("a b")), ("student", bpe())):
+        tokenizer.save_pretrained(tmp_path / name)
+    (problem,) = tokenizer_problems(("the run", tmp_path / "teacher"), [("students[s].model", tmp_path / "student")])
+    assert problem.startswith("students[s].model: its tokenizer differs from the run's")
+    assert "loss cross_tokenizer with student_tokenizer" in problem
     with pytest.raises(ValueError, match="use loss cross_tokenizer"):
         check_vocabulary(300, 260, "student")
 

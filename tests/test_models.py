@@ -42,20 +42,3 @@ def test_hidden_size_from_path_or_module(tmp_path):
 def test_missing_model_path_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         models.hidden_size(tmp_path / "no-such-model")
-
-
-class _Tokenizer:
-    def __init__(self, name, vocab):
-        self.name_or_path, self._vocab = name, vocab
-
-    def get_vocab(self):
-        return self._vocab
-
-    def __len__(self):
-        return len(self._vocab)
-
-
-def test_tokenizer_mismatch_names_both():
-    with pytest.raises(ValueError, match="teacher 'big-tok'.*student 'small-tok'"):
-        models.check_tokenizers(_Tokenizer("big-tok", {"a": 0, "b": 1}), _Tokenizer("small-tok", {"a": 0, "c": 1}))
-    models.check_tokenizers(_Tokenizer("t", {"a": 0}), _Tokenizer("s", {"a": 0}))

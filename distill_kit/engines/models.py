@@ -97,17 +97,3 @@ def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_att
     kwargs = {"attn_implementation": "eager"} if need_attentions else {}
     with active_transformers_config(ds_config):
         return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype], **kwargs)
-
-
-def check_tokenizers(teacher_tokenizer: Any, student_tokenizer: Any) -> None:
-    """Logit distillation compares distributions token id by token id: both must mean the same tokens."""
-    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
-        raise ValueError(
-            "teacher and student tokenizers differ: "
-            f"teacher {getattr(teacher_tokenizer, 'name_or_path', '?')!r} ({len(teacher_tokenizer)} tokens), "
-            f"student {getattr(student_tokenizer, 'name_or_path', '?')!r} ({len(student_tokenizer)} tokens). "
-            "Logit losses need the same tokenizer for both: train the student with the teacher's tokenizer, or "
-            "distil across tokenizers with loss cross_tokenizer (run config: student_tokenizer: <the student's "
-            "tokenizer>; from Python: paired blocks and Distiller(..., vocab_map=...)), see docs/losses.md."
-        )
-

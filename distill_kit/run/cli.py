@@ -26,7 +26,6 @@ from distill_kit.data.corpus import write_corpus
 from distill_kit.distiller import Distiller
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
-from distill_kit.engines.models import check_tokenizers
 from distill_kit.errors import CheckpointError, ConfigError
 from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
@@ -92,18 +91,13 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
 
 def prepare_student(student: StudentSpec, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
                     cut: nn.Module | None = None) -> StudentSpec:
-    """The student's spec. Its model is the given directory (tokenizer checked against ``tokenizer``: the
-    teacher's, or the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
+    """The student's spec. Its model is the given directory (its tokenizer checked at start-up against the run's, or
+    the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
     with ``init`` overrides (checked by ``validate``; and the students' vocabulary), or ``cut`` (built from the
     teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and
     identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
     a resume reuses it."""
-    if student.model is not None:
-        if (Path(student.model) / "tokenizer_config.json").exists():
-            try:
-                check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(student.model))
-            except ValueError as err:
-                raise ConfigError(f"students[{student.name}].model: {err}") from None
+    if student.model is not None:  # its tokenizer was checked at start-up (validate: _tokenizers)
         return student
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():

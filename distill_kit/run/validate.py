@@ -163,6 +163,16 @@ def check_models(start: Start) -> list[str]:
     return problems
 
 
+def check_student_tokenizers(start: Start) -> list[str]:
+    """A student given as a folder with a tokenizer has the run's (``tokenizer``, or the teacher's), or with
+    ``student_tokenizer`` the students' own: the same rule as the teachers' (``teachers.tokenizer_problems``)."""
+    config = start.config
+    students = [(f"students[{s.name}].model", s.model) for s in config.students if s.model is not None]
+    if config.student_tokenizer is not None:
+        return tokenizer_problems(("student_tokenizer", config.student_tokenizer), students)
+    return tokenizer_problems(("the run", config.tokenizer or config.teacher), students)
+
+
 def check_student_init(start: Start) -> list[str]:
     """``init`` overrides name fields of the teacher's config, and the model they describe can be built."""
     teacher = start.model_config("teacher", start.config.teacher)
@@ -459,9 +469,9 @@ def check_peft_students(start: Start) -> list[str]:
 
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_init, check_cuts, check_data, check_packing,
-                       check_data_format, check_students, check_on_policy, check_positions, check_peft_students,
-                       check_plan, check_checkpoint_disk,
+CHECKS: list[Check] = [check_output_dir, check_models, check_student_tokenizers, check_student_init, check_cuts,
+                       check_data, check_packing, check_data_format, check_students, check_on_policy, check_positions,
+                       check_peft_students, check_plan, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
@@ -547,7 +557,7 @@ def _facts(config: PretrainedConfig) -> dict[str, int | None]:
             "num_layers": getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)}
 
 
-TASK_CHECKS: list[Check] = [check_models, check_student_init, check_students, check_plan]
+TASK_CHECKS: list[Check] = [check_models, check_student_tokenizers, check_student_init, check_students, check_plan]
 """A task benchmark's (``task.name``): it writes its own data and report, so only the models and the plan."""
 
 

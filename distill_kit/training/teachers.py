@@ -154,10 +154,11 @@ def check_weights(specs: Sequence[TeacherSpec]) -> None:
 
 def tokenizer_problems(reference: tuple[str, ModelSource], others: Sequence[tuple[str, ModelSource]]) -> list[str]:
     """Every folder of ``others`` that holds a tokenizer must have ``reference``'s vocabulary (``reference``: a label
-    and a folder): logit losses compare the teachers' and the student's distributions token id by token id. Folders
+    and a folder): logit losses compare the teachers' and the students' distributions token id by token id. Folders
     without a tokenizer are compared by vocabulary size instead (``plan.check_vocabulary``); so is a reference
     without one, which compares nothing here. One rule for the Python path (:func:`check_tokenizers`) and the
-    CLI's start-up checks (``run/validate.py``), which name the run's tokenizer as the reference."""
+    CLI's start-up checks (``run/validate.py``: teachers and student folders), which name the run's tokenizer (or the
+    students' own, ``student_tokenizer``) as the reference."""
     from transformers import AutoTokenizer
 
     def vocabulary(source: ModelSource) -> dict[str, int] | None:
@@ -173,9 +174,9 @@ def tokenizer_problems(reference: tuple[str, ModelSource], others: Sequence[tupl
         if theirs is not None and theirs != expected:
             problems.append(
                 f"{name}: its tokenizer differs from {label}'s ({str(source)!r}: {len(expected)} tokens; "
-                f"{str(other)!r}: {len(theirs)}, or other ids). Several teachers are compared with the student token "
-                "id by token id: use teachers that share the student's tokenizer (distilling across tokenizers, loss "
-                "cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
+                f"{str(other)!r}: {len(theirs)}, or other ids). Logit losses compare teachers and students token id "
+                "by token id: use teachers and students that share the student's tokenizer (distilling across "
+                "tokenizers, loss cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
     return problems
 
 
