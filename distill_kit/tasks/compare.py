@@ -193,6 +193,13 @@ def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rows": rows, "best": best["recipe"] if best else None}
 
 
+def over_seeds(name: str, values: list[float]) -> dict[str, Any]:
+    """One metric over the seeds: its mean (``name``), range (``name_min``, ``name_max``) and every seed's value
+    (``name_per_seed``): how every quality figure of the task benchmarks is reported."""
+    return {name: sum(values) / len(values), f"{name}_min": min(values), f"{name}_max": max(values),
+            f"{name}_per_seed": values}
+
+
 def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     """Each recipe over the seeds: its mean exact match, the range (``exact_match_min``/``_max``) and every seed's
     value (``exact_match_per_seed``, in the order of ``seeds``); mean answer KL and train seconds; the gap closed
@@ -203,9 +210,7 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     rows = []
     for name in names:
         found = [next(r for r in entry["rows"] if r["recipe"] == name) for entry in per_seed]
-        values = [r["exact_match"] for r in found]
-        row = {"recipe": name, "exact_match": sum(values) / len(values), "exact_match_min": min(values),
-               "exact_match_max": max(values), "exact_match_per_seed": values,
+        row = {"recipe": name, **over_seeds("exact_match", [r["exact_match"] for r in found]),
                "answer_kl": sum(r["answer_kl"] for r in found) / len(found),
                "train_seconds": sum(r["train_seconds"] for r in found) / len(found)}
         if all("gap_closed" in r for r in found):
