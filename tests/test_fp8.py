@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from distill_kit.config import TrainingConfig
-from distill_kit.engines import fingerprint, fp8, models
+from distill_kit.engines import fingerprint, fp8, kernels, models
 from distill_kit.errors import ConfigError
 from distill_kit.run.run_config import DEFAULT_TEACHER
 
@@ -166,3 +166,32 @@ def test_weight_bytes_counts_one_byte_per_quantised_weight():
                  for m in layer.modules() if isinstance(m, nn.Linear))
     rest = 2 * (2 * 100 * 64 + 64 + 2 * 2 * 64)  # embeddings + head, final norm, two norms a layer, in bf16
     assert fp8.weight_bytes(skeleton) == linear + rest
+
+
+def test_fp8_teacher_layers_alone_compile_with_torchaos_tuning(monkeypatch):
+    """The inductor tuning torchao recommends (most of a cold compile) goes to an FP8 teacher's compiled layers
+    only: torchao is asked not to set it for the whole process, where the student's fused loss would get it too."""
+    import sys
+    import types
+
+    asked = []
+    torchao = types.ModuleType("torchao.quantization")
+    torchao.PerRow = lambda: "row"
+    torchao.Float8DynamicActivationFloat8WeightConfig = lambda **kwargs: asked.append(kwargs)
+    torchao.quantize_ = lambda layer, config: None
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", torchao)
+    with pytest.raises(ConfigError, match="left these linear layers unquantised"):  # the stand-in quantised nothing
+        fp8.quantize_layer(torch.nn.Sequential(torch.nn.Linear(16, 16)), "torchao")
+    assert asked == [{"granularity": "row", "set_inductor_config": False}]
+
+    compiled = {}
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.__setitem__(self, kwargs))
+    teacher = fp8.load(DEFAULT_TEACHER, torch.device("cpu"), backend="fake")
+    bf16 = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER)
+    for model in (teacher, bf16):
+        kernels.apply(model, "compile")
+    layers = models.decoder_layers(teacher)
+    assert all(compiled[layer] == {"options": fp8.COMPILE_OPTIONS} for layer in layers)
+    assert all(compiled[layer] == {"options": None} for layer in models.decoder_layers(bf16))
+    assert len(compiled) == len(layers) + len(models.decoder_layers(bf16))

@@ -43,6 +43,12 @@ from distill_kit.engines import models
 from distill_kit.errors import ConfigError
 
 Backend = Literal["torchao", "fake"]
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True}
+"""Inductor options of an FP8 teacher's compiled layers (``kernels.apply`` passes them to ``torch.compile``): the
+tuning torchao recommends for quantised models, which the figures of issue #22 were measured with. It is most of
+a layer's cold compile (51.6 of 60 s for a 7B layer at 8 x 1,024 tokens: ``benchmarks/fp8_compile.py``). torchao
+would set it for the whole process (``set_inductor_config``), every later compile included - the student's fused
+loss too; :func:`quantize_layer` turns that off and the options apply to the teacher's layers alone."""
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 ALIGN = 16
@@ -190,7 +196,7 @@ def quantize_layer(layer: nn.Module, backend: Backend = "torchao") -> None:
         return
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    quantize_(layer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    quantize_(layer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False))
     left = [name for name, m in layer.named_modules() if isinstance(m, nn.Linear) and m.weight.dtype != FP8_DTYPE
             and not hasattr(m.weight, "qdata")]
     if left:
@@ -200,6 +206,11 @@ def quantize_layer(layer: nn.Module, backend: Backend = "torchao") -> None:
 
 def is_fp8(model: nn.Module) -> bool:
     return getattr(getattr(model, "module", model), "teacher_precision", None) == "fp8"
+
+
+def compile_options(model: nn.Module) -> dict[str, bool] | None:
+    """The inductor options ``model``'s compiled layers take: :data:`COMPILE_OPTIONS` for an FP8 teacher."""
+    return dict(COMPILE_OPTIONS) if is_fp8(model) else None
 
 
 # ---- loading --------------------------------------------------------------------------------------------------

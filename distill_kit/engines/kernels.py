@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from distill_kit import config
-from distill_kit.engines import models
+from distill_kit.engines import fp8, models
 from distill_kit.errors import ConfigError
 
 LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
@@ -82,8 +82,9 @@ def apply(model: nn.Module, choice: str, key: str = "kernels", liger: Mapping[st
         with _instance_only(model):
             patch(model=model, **{k: v for k, v in (LIGER_KERNELS | dict(liger or {})).items() if k in accepted})
     elif applied == "compile":
+        options = fp8.compile_options(model)  # an FP8 teacher's tuning, for its layers alone
         for layer in models.decoder_layers(model):
-            layer.compile()
+            layer.compile(options=options)
     return applied
 
 
