@@ -17,6 +17,7 @@ dynamo's own table of where the compile time went (``torch._dynamo.utils.compile
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ def measure(variant: str, layers: int, batch: int, seq_len: int, pair: str = "qw
 
     from distill_kit.engines import fp8, kernels, models
 
-    config = PAIRS[pair].teacher
+    config = copy.deepcopy(PAIRS[pair].teacher)
     config.num_hidden_layers = layers
     cpu = pair == "tiny"
     device = torch.device("cpu" if cpu else "cuda")

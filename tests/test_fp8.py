@@ -195,3 +195,14 @@ def test_fp8_teacher_layers_alone_compile_with_torchaos_tuning(monkeypatch):
     assert all(compiled[layer] == {"options": fp8.COMPILE_OPTIONS} for layer in layers)
     assert all(compiled[layer] == {"options": None} for layer in models.decoder_layers(bf16))
     assert len(compiled) == len(layers) + len(models.decoder_layers(bf16))
+
+
+def test_the_compile_benchmark_runs_its_stand_in_on_the_cpu(monkeypatch):
+    """benchmarks/fp8_compile.py's measurement with the tiny teacher and the CPU stand-in (eager: no compile)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fp8_compile
+
+    result = fp8_compile.measure("eager", layers=1, batch=1, seq_len=8, pair="tiny")
+    assert result["dynamo_unique_graphs"] == 0 and result["tokens"] == 8 and result["warm_forward_ms"] > 0
