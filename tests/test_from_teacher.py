@@ -5,13 +5,12 @@ same student as a plain one."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, clean_environment, run_ranks
+from launch import ROOT, run_ranks
+from test_cli import _main_error
 from tiny_models import llama_config, qwen2_config, random_batches
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
 
@@ -270,11 +269,8 @@ def test_an_unsupported_teacher_is_a_config_error(tmp_path):
 
 
 def test_the_cli_stops_on_a_bad_choice_before_any_work(tiny_llama, tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), *_args(tiny_llama, tmp_path / "run",
-                                                                 "[{name: a, init_from_teacher: {layers: [0, 9]}}]")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=clean_environment())
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "config error: students[a].init_from_teacher: layers [9] do not exist" in done.stderr
+    got = _main_error(*_args(tiny_llama, tmp_path / "run", "[{name: a, init_from_teacher: {layers: [0, 9]}}]"))
+    assert "config error: students[a].init_from_teacher: layers [9] do not exist" in got
     assert not (tmp_path / "run" / "cache").exists()  # no corpus, tokenisation or model was prepared
 
 
