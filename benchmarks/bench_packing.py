@@ -209,9 +209,6 @@ def main() -> None:
             line += f"  counted tok/s {entry['counted_tokens_per_s_total']:,.0f}"
             line += f" ({entry['counted_tokens_per_s_total'] / base:.2f}x grouped)"
         print(line)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,12 +55,14 @@ def measure(variant: str, layers: int, batch: int, seq_len: int, pair: str = "qw
                     module.compile()
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
 
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+
     def forward() -> float:
-        torch.cuda.synchronize() if not cpu else None
+        sync()
         began = time.perf_counter()
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
-        torch.cuda.synchronize() if not cpu else None
+        sync()
         return time.perf_counter() - began
 
     torch._dynamo.utils.counters.clear()

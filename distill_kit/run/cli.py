@@ -97,7 +97,7 @@ def prepare_student(student: StudentSpec, config: RunConfig, tokenizer: PreTrain
     teacher's weights), saved so that it loads like any pretrained model: under its own ZeRO layout, and
     identically for every run that shares the seed. It is written once (into a temporary folder, then renamed):
     a resume reuses it."""
-    if student.model is not None:  # its tokenizer was checked at start-up (validate: _tokenizers)
+    if student.model is not None:  # its tokenizer was checked at start-up (validate.check_student_tokenizers)
         return student
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():

@@ -165,13 +165,14 @@ def tokenizer_problems(reference: tuple[str, ModelSource], others: Sequence[tupl
         return AutoTokenizer.from_pretrained(source).get_vocab() if _has_tokenizer(source) else None
 
     label, source = reference
-    expected = vocabulary(source)
+    others = [(name, other) for name, other in others if _has_tokenizer(other)]
+    expected = vocabulary(source) if others else None  # nothing to compare: no tokenizer is read
     if expected is None:
         return []
     problems = []
     for name, other in others:
         theirs = vocabulary(other)
-        if theirs is not None and theirs != expected:
+        if theirs != expected:
             problems.append(
                 f"{name}: its tokenizer differs from {label}'s ({str(source)!r}: {len(expected)} tokens; "
                 f"{str(other)!r}: {len(theirs)}, or other ids). Logit losses compare teachers and students token id "
