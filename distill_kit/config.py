@@ -190,6 +190,10 @@ class TrainingConfig:
     """Run the student without its output head and let logit losses apply it chunk by chunk, so the full
     student logits (B x T x vocabulary) never exist (``losses/fused.py``). Used only where it is exact (a ZeRO-2
     student of a known architecture, no loss that reads full logits); the run's log says when it is not."""
+    teacher_head_at_loss: bool = True
+    """Run an engine teacher without its output head and let logit losses apply it chunk by chunk next to the
+    student's, so the teacher's full logits (B x T x vocabulary) never exist either. Used only where it is exact (a
+    known architecture, every loss a logit loss that takes it); the run's log says when it is not."""
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
 
@@ -420,13 +424,22 @@ class StudentSpec:
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """One frozen teacher, each its own engine (ZeRO-3 by default: sharded across the ranks)."""
+    """One frozen teacher: where its outputs come from (``kind``), its weight, and its engine's settings.
+
+    ``kind`` picks the backend (``distill_kit/teachers/``): an in-process engine of a model folder, a captured store,
+    or a class of your own. ``auto`` reads it from ``model``: a folder holding a store's ``manifest.json`` is a
+    store, ``pkg.module:Class`` is that class, anything else a model (folder, hub name or ``nn.Module``)."""
 
     name: str = "teacher"
     """Label in logs (``<student>/<name>``), the report and the checkpoints' record of teacher identities."""
-    model: str | None = None
-    """A save_pretrained directory or hub name (in Python also a built ``nn.Module`` or a ``CapturedTeacher``).
+    model: Any = None
+    """A save_pretrained directory or hub name, a store folder (``scripts/capture_teacher.py``), or
+    ``pkg.module:Class`` (a :class:`distill_kit.teachers.Teacher` subclass); in Python also a built ``nn.Module``.
     With several teachers each must use the student's tokenizer (logits are compared id by id)."""
+    kind: str = "auto"
+    """The backend: auto (read from model), engine, store, or pkg.module:Class (then model is handed to it)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The backend's own settings, e.g. a store's {tail_bucket: false}; each backend names the ones it takes."""
     weight: float = 1.0
     """Its weight in the sum of losses, or its share of the mixture (normalised there); >= 0, one of them > 0."""
     ds_config: str | None = None
@@ -436,7 +449,7 @@ class TeacherSpec:
 
     def __post_init__(self) -> None:
         _check_name(self.name, "teacher")
-        if self.model is None:
+        if self.model is None and ":" not in self.kind:
             raise ValueError(f"teacher {self.name!r} has no model: give model: path/to/teacher")
         if not (isinstance(self.weight, int | float) and not isinstance(self.weight, bool)
                 and math.isfinite(self.weight) and self.weight >= 0):
