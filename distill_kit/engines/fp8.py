@@ -271,7 +271,7 @@ def random_weights(std: float, seed: int = 0) -> Callable[[str, torch.Size, torc
 
 def load(source: models.ModelSource | Any, device: torch.device, *, need_attentions: bool = False,
          backend: Backend = "torchao", weights: Callable[[str, torch.Size, torch.device], torch.Tensor] | None = None,
-         ) -> nn.Module:
+         config: Any = None) -> nn.Module:
     """An FP8 teacher on ``device`` from a bf16 checkpoint directory, read and quantised one decoder layer at a time.
 
     ``source``: a ``save_pretrained`` directory, or (with ``weights``) a config: the benchmarks' shape-only teachers.
@@ -287,7 +287,8 @@ def load(source: models.ModelSource | Any, device: torch.device, *, need_attenti
         for layer in models.decoder_layers(model):
             quantize_layer(layer, backend)
         return _finish(model)
-    config = source if weights is not None and not isinstance(source, str | Path) else models.model_config(source)
+    if config is None:
+        config = source if weights is not None and not isinstance(source, str | Path) else models.model_config(source)
     if weights is None:
         reader = SafetensorsReader(source)
 
@@ -347,11 +348,13 @@ def _finish(model: nn.Module) -> nn.Module:
 
 
 def load_teacher(source: models.ModelSource, ds_config: Mapping[str, Any], dtype: str, precision: str,
-                 need_attentions: bool, device: torch.device, backend: Backend = "torchao") -> nn.Module:
-    """The teacher in the precision asked for: FP8 through :func:`load`, otherwise as ``models.load`` loads it."""
+                 need_attentions: bool, device: torch.device, backend: Backend = "torchao", config: Any = None,
+                 ) -> nn.Module:
+    """The teacher in the precision asked for: FP8 through :func:`load`, otherwise as ``models.load`` loads it.
+    ``config``: its model config, read once by the plan (None reads it from ``source``)."""
     if resolve(precision, dtype) == "fp8":
-        return load(source, device, need_attentions=need_attentions, backend=backend)
-    return models.load(source, ds_config, dtype, need_attentions)
+        return load(source, device, need_attentions=need_attentions, backend=backend, config=config)
+    return models.load(source, ds_config, dtype, need_attentions, config=config)
 
 
 def fingerprint_tensor(param: torch.Tensor) -> tuple[str, list[torch.Tensor]]:

@@ -82,12 +82,32 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def has_tokenizer(source: Any) -> bool:
+    """A local folder holding a tokenizer (what tokenizer rules compare; a hub name cannot be read offline)."""
+    return isinstance(source, str | Path) and any((Path(source) / f).is_file()
+                                                  for f in ("tokenizer_config.json", "tokenizer.json"))
+
+
+def generation_config(source: Any) -> Any:
+    """A model folder's ``generation_config.json`` (its end token may differ from the config's), or None."""
+    if not (isinstance(source, str | Path) and (Path(source) / "generation_config.json").is_file()):
+        return getattr(source, "generation_config", None) if isinstance(source, nn.Module) else None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except Exception:  # noqa: BLE001 - an unreadable generation config: the model config's end token
+        return None
+
+
 def hidden_size(source: ModelSource) -> int | None:
     return facts(source)["hidden_size"]
 
 
-def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_attentions: bool = False) -> nn.Module:
+def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_attentions: bool = False,
+         config: PretrainedConfig | None = None) -> nn.Module:
     """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout; modules pass through.
+    ``config``: its config as the plan read it (so a run reads each model's config once); None reads it here.
 
     Fused attention kernels (SDPA, flash) return no attention maps, so a loss that needs them gets eager
     attention, and every other run keeps the fast default.
@@ -95,5 +115,7 @@ def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_att
     if isinstance(source, nn.Module):
         return source
     kwargs = {"attn_implementation": "eager"} if need_attentions else {}
+    if config is not None:
+        kwargs["config"] = config
     with active_transformers_config(ds_config):
         return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype], **kwargs)

@@ -1,0 +1,110 @@
+"""The run's teachers as one part of the step: built in order, run once per micro-batch for every student.
+
+Each teacher is a :class:`~distill_kit.teachers.base.Teacher` of its own kind (an engine, a store, yours); this
+group only runs them and combines what they return: one output, ``{name: output}`` for several (each student's
+:class:`~distill_kit.teachers.combine.TeacherEnsembleLoss` combines them), or, routed, each row's logits from its
+own teacher. Checkpoints record every teacher's identity by name, and resume refuses other teachers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from distill_kit.config import TeacherSpec
+from distill_kit.engines import distributed
+from distill_kit.teachers.base import Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.kinds import teacher_class
+from losses.functional import mixture_logits
+
+
+class Teachers:
+    """The run's frozen teachers, in order (a ZeRO-3 forward is a collective: every rank runs the same ones).
+
+    They are built one after another, each into its own shards, before any student: the large models must never
+    exist unsharded next to the students.
+    """
+
+    def __init__(self, specs: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard],
+                 setups: Mapping[str, TeacherSetup], *, vocab_size: int | None = None):
+        """``cards`` and ``setups``: the plan's, by name. ``vocab_size``: the smallest teacher vocabulary (the
+        plan's), which routed rows are compared on."""
+        self.specs = {spec.name: spec for spec in specs}
+        self.members: dict[str, Teacher] = {
+            spec.name: spec.model if isinstance(spec.model, Teacher) else
+            teacher_class(spec)(spec, cards[spec.name], setups[spec.name]) for spec in specs}
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def first(self) -> Any:
+        """The first teacher's model (an engine, a captured store's module): "the teacher" where one is meant."""
+        first = next(iter(self.members.values()), None)
+        return None if first is None else (first.module if first.module is not None else first)
+
+    @property
+    def ds_configs(self) -> dict[str, dict[str, Any] | None]:
+        """Each teacher's DeepSpeed config as its engine was given it (None for a kind without one), by name."""
+        return {name: teacher.ds_config for name, teacher in self.members.items()}
+
+    def forward(self, inputs: Mapping[str, Any], route: torch.Tensor | None = None) -> Any:
+        """Every teacher on the same inputs, without gradients: one output, or ``{name: output}``. With ``route``
+        (``combine: route``: each row's teacher index) each teacher runs only over its rows, and the output holds
+        every row's logits from its own teacher."""
+        with torch.no_grad():
+            if route is not None:
+                return self.routed(inputs, route)
+            outputs = {name: teacher.forward(inputs) for name, teacher in self.members.items()}
+        return next(iter(outputs.values())) if len(outputs) == 1 else outputs
+
+    def routed(self, inputs: Mapping[str, Any], route: torch.Tensor) -> SimpleNamespace:
+        """Each row's logits from the teacher ``route`` names for it (vocabularies cut to the smallest).
+
+        A ZeRO-3 forward is a collective, so every rank runs the teachers any rank needs, in the same order: a rank
+        with no row of one runs it over its first row and drops the result. The routed loader (``ChatLoader(route=
+        ...)``) gives every rank one and the same teacher per micro-batch, so that never happens in a run of it.
+        """
+        members = list(self.members.values())
+        needed = torch.zeros(len(members), device=route.device)
+        needed[route.unique()] = 1
+        needed = distributed.all_reduce_max(needed)
+        logits = None
+        for index in needed.nonzero().flatten().tolist():
+            rows = (route == index).nonzero().flatten()
+            sub = rows if len(rows) else route.new_zeros(1)  # a forward this rank only joins
+            out = members[index].forward({k: v[sub] if torch.is_tensor(v) else v for k, v in inputs.items()})
+            vocab = self.vocab_size or out.logits.shape[-1]
+            if logits is None:
+                logits = out.logits.new_zeros((route.shape[0], out.logits.shape[1], vocab))
+            if len(rows):
+                logits[rows] = out.logits[..., :vocab]
+        return SimpleNamespace(logits=logits)
+
+    def mixture(self, outputs: Any) -> Any:
+        """What evaluation compares a student with: the one teacher (or each row's own, routed), or the teachers'
+        weighted mixture at temperature 1 (vocabularies cut to the smallest)."""
+        if type(outputs) is not dict:  # one output (a ModelOutput is a dict subclass), or routed rows
+            return outputs
+        total = sum(spec.weight for spec in self.specs.values())
+        vocab = min(out.logits.shape[-1] for out in outputs.values())
+        return SimpleNamespace(logits=mixture_logits([outputs[name].logits[..., :vocab] for name in self.specs],
+                                                     [spec.weight / total for spec in self.specs.values()], 1.0))
+
+    @property
+    def identities(self) -> dict[str, str]:
+        """Each teacher's identity by name (an engine's weight sha256: computed once, on every rank)."""
+        return {name: teacher.identity for name, teacher in self.members.items()}
+
+    @property
+    def sha256(self) -> str | None:
+        """What checkpoints record and resume compares: the one teacher's identity, or every teacher's by name."""
+        if not self.members:
+            return None
+        if len(self.members) == 1:
+            return next(iter(self.identities.values()))
+        return ", ".join(f"{name}={sha}" for name, sha in self.identities.items())
