@@ -2,8 +2,18 @@
 names (``kinds.py``), the run's teachers as one part of the step (``group.py``), how several combine (``combine.py``),
 and the tokenizer rule every model of a run shares (``tokenizers.py``)."""
 
-from distill_kit.teachers.base import (ATTENTIONS, HEAD, HIDDEN_STATES, LOGITS, OUTPUTS, TOP_K, TOP_K_TAIL, Teacher,
-                                       TeacherCard, TeacherSetup)
+from distill_kit.teachers.base import (
+                                       ATTENTIONS,
+                                       HEAD,
+                                       HIDDEN_STATES,
+                                       LOGITS,
+                                       OUTPUTS,
+                                       TOP_K,
+                                       TOP_K_TAIL,
+                                       Teacher,
+                                       TeacherCard,
+                                       TeacherSetup,
+)
 
 __all__ = ["ATTENTIONS", "HEAD", "HIDDEN_STATES", "LOGITS", "OUTPUTS", "TOP_K", "TOP_K_TAIL", "Teacher", "TeacherCard",
            "TeacherSetup"]
