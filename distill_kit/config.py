@@ -301,6 +301,41 @@ class FromTeacherConfig:
 
 
 @dataclass(frozen=True)
+class HarnessConfig:
+    """lm-evaluation-harness on each exported student and, once, the teacher, after training
+    (``distill_kit/tasks/harness``; docs/run.md#lm-evaluation-harness); empty ``tasks`` runs nothing."""
+
+    tasks: tuple[str, ...] = ()
+    """Harness task names: the project's distill_kit_arithmetic and distill_kit_sorting (seeded, local files), or
+    any task of the harness (gsm8k, ifeval, mmlu, ...); empty: no harness evaluation."""
+    num_fewshot: int | None = None
+    """Few-shot examples in each prompt; null: each task's own default."""
+    limit: int | None = None
+    """Examples per task (the first N); null: all of them."""
+    batch_size: int = 16
+    """Prompts per forward or generate call of the harness's model."""
+    teacher: bool = True
+    """Also score the teacher (once, not per student); false for a teacher no single device holds."""
+    apply_chat_template: bool | None = None
+    """Prompt through each model's chat template; null: where its tokenizer has one (the project's tasks need it)."""
+    offline: bool = True
+    """No network while the harness runs (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE): models, tasks and data from local
+    files and the Hugging Face cache; false lets the harness download a task's data set."""
+    examples: int = 500
+    """Held-out prompts written for each of the project's tasks (limit takes the first of them)."""
+    seed: int = 0
+    """Seed of those prompts: the task's held-out stream at this seed (the task benchmark's at the same seed)."""
+
+    def __post_init__(self) -> None:
+        for key, value, low in (("limit", self.limit, 1), ("num_fewshot", self.num_fewshot, 0),
+                                ("batch_size", self.batch_size, 1), ("examples", self.examples, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"eval.harness.{key}: {value}; give {low} or more")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ConfigError(f"eval.harness.tasks: {list(self.tasks)} names a task twice; name each once")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
 
@@ -308,6 +343,8 @@ class EvalConfig:
     """Optimizer steps between evaluations; 0 evaluates only at the end."""
     max_batches: int | None = None
     """Micro-batches per rank per evaluation; None uses the whole held-out split."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """lm-evaluation-harness tasks scored on every exported student and the teacher at the end of the run."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
