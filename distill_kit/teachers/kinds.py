@@ -1,9 +1,9 @@
 """Which backend a :class:`~distill_kit.config.TeacherSpec` names, and its card: the one place that decides it.
 
 ``kind: auto`` reads it from ``model``: a built :class:`Teacher` is itself; ``pkg.module:Class`` is that class; a
-folder holding a store's ``manifest.json`` (and no model ``config.json``) is a ``store``; anything else (a model
-folder, a hub name, an ``nn.Module``) an in-process ``engine``. Adding a kind: one file with a :class:`Teacher`
-subclass, one entry in :data:`KINDS`.
+folder holding a store's ``manifest.json`` (and no model ``config.json``) is a ``store``; an ``http(s)://`` URL a
+``served`` teacher; anything else (a model folder, a hub name, an ``nn.Module``) an in-process ``engine``. Adding
+a kind: one file with a :class:`Teacher` subclass, one entry in :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from distill_kit.config import TeacherSpec
 from distill_kit.errors import ConfigError
 from distill_kit.teachers.base import Teacher, TeacherCard
 
-KINDS = {"engine": "distill_kit.teachers.engine:EngineTeacher", "store": "distill_kit.teachers.store:StoreTeacher"}
+KINDS = {"engine": "distill_kit.teachers.engine:EngineTeacher", "store": "distill_kit.teachers.store:StoreTeacher",
+         "served": "distill_kit.teachers.served:ServedTeacher"}
 """Each named kind's class, by import path (imported only when used: a store run never imports DeepSpeed's engine)."""
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -51,6 +52,8 @@ def kind_of(spec: TeacherSpec) -> str:
         return "class"
     if is_import_path(model):
         return model
+    if isinstance(model, str) and model.startswith(("http://", "https://")):
+        return "served"  # a teacher server's address (teachers/served.py)
     if isinstance(model, str | Path) and (Path(model) / "manifest.json").is_file() and not (
             Path(model) / "config.json").is_file():
         return "store"

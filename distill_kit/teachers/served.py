@@ -1,0 +1,392 @@
+"""A served teacher: its top-k targets asked of an inference server over HTTP, the teacher out of the training run.
+
+``TeacherSpec(model="http://host:port", options={...})`` (``kind: auto`` reads a URL as ``served``). For each
+micro-batch it sends every row's real tokens (``input_ids`` where ``attention_mask`` is 1; packed rows, by
+``position_ids``, one prompt per conversation) and gets back, per position, the teacher's top-k token ids and
+log-probabilities, assembled as :class:`losses.sparse.SparseTeacherLogits` aligned with the rows: the captured
+store's type, so the losses' sparse path (``losses/sparse.py``) runs unchanged. Position ``t`` holds the prediction
+of token ``t + 1``, as a causal LM's ``logits[:, t]``; padding and each prompt's last position (its prediction
+past the row, which no loss counts) hold zeros.
+
+It speaks stock vLLM (``/v1/completions`` with ``prompt_logprobs``), SGLang (native ``/generate`` with input
+logprobs) and the project's own server (``scripts/serve_teacher.py``: binary ``/v1/topk``, the exact tail);
+``served_protocol.py`` has the schemas. Requests carry ``rows_per_request`` rows, up to ``max_in_flight`` at once,
+and :meth:`ServedTeacher.prefetch` sends the next micro-batch's before the student's step on this one, so the
+teacher's time hides behind the student's.
+
+Options (``TeacherSpec.options``), with their defaults:
+
+* ``k`` (20): ids per position. 20 is stock ``vllm serve``'s ``--max-logprobs``; a larger k needs that flag.
+* ``api`` (``distill_kit``): ``vllm``, ``sglang`` or ``distill_kit``.
+* ``tail`` (true): the tail bucket (k + 1 outcomes, exact at temperature 1): the server's tail where it gives one,
+  else ``log(1 - sum of the top k)`` (``served_protocol.derived_tail``); false renormalises over the k.
+* ``tokenizer`` (none): a local folder holding the tokenizer the server's model uses. Compared with the server's
+  ``tokenizer_sha256`` where it reports one (the project's server), and handed to the run's tokenizer rule as this
+  teacher's, so a teacher whose tokenizer differs from the students' is refused before any write.
+* ``api_key_env`` (none): the environment variable holding the server's API key (``Authorization: Bearer``).
+* ``timeout_s`` (120): one request's limit. ``wait_s`` (300): how long the start waits for the server to answer.
+  ``retries_s`` (600): how long a run retries a server that stopped answering, then raises
+  :class:`TeacherUnavailable` (the run checkpoints and exits; ``--resume`` when the server is back).
+* ``rows_per_request`` (8), ``max_in_flight`` (4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from distill_kit.config import TeacherSpec
+from distill_kit.errors import ConfigError
+from distill_kit.teachers import served_protocol as protocol
+from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
+from losses.sparse import SparseTeacherLogits
+
+LOG = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokenizer": None, "api_key_env": None,
+                            "timeout_s": 120.0, "wait_s": 300.0, "retries_s": 600.0, "rows_per_request": 8,
+                            "max_in_flight": 4}
+
+__all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
+           "TeacherUnavailable", "is_url", "tokenizer_problems"]
+
+
+def is_url(model: object) -> bool:
+    """A model given as a server's address (``kinds.kind_of``'s rule for ``served``)."""
+    return isinstance(model, str) and model.startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class ServedCard(TeacherCard):
+    """A served teacher's card: the plan's fields, and what the server said of itself."""
+
+    api: str = "distill_kit"
+    k: int = 20
+    served_model: str | None = None
+    """The name the server serves the model under (vLLM's ``model`` field)."""
+    tokenizer_sha256: str | None = None
+    """The server's vocabulary's sha256 (``offline/fingerprints.tokenizer_fingerprint``), where it reports one."""
+    teacher_sha256: str | None = None
+    """The server's weights' sha256 (the project's server), what checkpoints record as the teacher."""
+    options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass
+class ServedOutput:
+    """What a served teacher's forward returns: top-k targets in place of logits."""
+
+    logits: SparseTeacherLogits
+
+
+def options_of(spec: TeacherSpec) -> dict[str, Any]:
+    """The spec's options over :data:`DEFAULTS`, each checked; one ``ConfigError`` naming every bad value."""
+    opts = DEFAULTS | dict(spec.options)
+    key, problems = f"teachers[{spec.name}].options", []
+    if opts["api"] not in protocol.APIS:
+        problems.append(f"api {opts['api']!r}: choose one of {', '.join(protocol.APIS)}")
+    for name in ("k", "rows_per_request", "max_in_flight"):
+        if not (isinstance(opts[name], int) and not isinstance(opts[name], bool) and opts[name] >= 1):
+            problems.append(f"{name} must be an integer >= 1, got {opts[name]!r}")
+    for name in ("timeout_s", "wait_s", "retries_s"):
+        if not (isinstance(opts[name], int | float) and not isinstance(opts[name], bool) and opts[name] >= 0):
+            problems.append(f"{name} must be a number of seconds >= 0, got {opts[name]!r}")
+    if not isinstance(opts["tail"], bool):
+        problems.append(f"tail must be true or false, got {opts['tail']!r}")
+    if opts["api_key_env"] is not None and not os.environ.get(opts["api_key_env"]):
+        problems.append(f"api_key_env {opts['api_key_env']!r}: that environment variable is not set; export the "
+                        "server's API key in it")
+    if problems:
+        raise ConfigError(f"{key}: " + "; ".join(problems))
+    return opts
+
+
+def _client(opts: Mapping[str, Any]) -> Any:
+    import httpx
+
+    key = os.environ.get(opts["api_key_env"]) if opts["api_key_env"] else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=opts["max_in_flight"] + 1, max_keepalive_connections=opts["max_in_flight"])
+    return httpx.Client(headers=headers, timeout=httpx.Timeout(opts["timeout_s"], connect=min(10.0, opts["timeout_s"]
+                                                                                             or 10.0)), limits=limits)
+
+
+def server_info(url: str, opts: Mapping[str, Any], name: str = "teacher") -> dict[str, Any]:
+    """What the server at ``url`` says of its model (``served_protocol.INFO_ENDPOINTS``), waiting up to ``wait_s``
+    for it to come up; then one ``ConfigError`` naming the URL and the fix."""
+    import httpx
+
+    api, deadline, last = opts["api"], time.monotonic() + opts["wait_s"], "no answer"
+    path = protocol.INFO_ENDPOINTS[api]
+    with _client(opts) as client:
+        while True:
+            try:
+                reply = client.get(url.rstrip("/") + path)
+                if reply.status_code == 401:
+                    raise ConfigError(f"teachers[{name}].model: the server at {url} refused the API key (HTTP 401); "
+                                      "set options.api_key_env to the environment variable holding its --api-key")
+                if reply.status_code == 200:
+                    return _info(api, reply.json(), url, name)
+                last = f"HTTP {reply.status_code} from {path}: {reply.text[:200]}"
+                if reply.status_code == 404:
+                    break  # another API on that port: waiting will not help
+            except (httpx.TransportError, ValueError) as err:
+                last = f"{type(err).__name__}: {err}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    start = {"distill_kit": "python scripts/serve_teacher.py MODEL --port PORT",
+             "vllm": "vllm serve MODEL --port PORT --max-logprobs K",
+             "sglang": "python -m sglang.launch_server --model-path MODEL --port PORT"}[api]
+    raise ConfigError(f"teachers[{name}].model: no {api} teacher server answered at {url} within wait_s="
+                      f"{opts['wait_s']:g} s (last: {last}). Start it ({start}), check the host, port and "
+                      f"options.api ({api}), or raise options.wait_s while it loads")
+
+
+def _info(api: str, document: Any, url: str, name: str) -> dict[str, Any]:
+    if api == "distill_kit":
+        return dict(document)
+    if api == "vllm":
+        data = document.get("data") if isinstance(document, dict) else None
+        if not data:
+            raise ConfigError(f"teachers[{name}].model: {url}/v1/models lists no model")
+        entry = data[0]
+        return {"model": entry.get("id"), "max_model_len": entry.get("max_model_len"),
+                **(entry.get("distill_kit") or {})}
+    return {"model": document.get("model_path"), **{k: document[k] for k in ("max_model_len",) if k in document}}
+
+
+class ServedTeacher(Teacher):
+    """A teacher behind an inference server (module docstring). ``forward`` returns :class:`ServedOutput`."""
+
+    kind = "served"
+    options = tuple(DEFAULTS)
+
+    @classmethod
+    def describe(cls, spec: TeacherSpec) -> ServedCard:
+        """Asks the server (waiting up to ``wait_s``); refuses a tokenizer other than ``options.tokenizer``'s and a
+        k above what the server gives, before anything is written."""
+        opts = options_of(spec)
+        url, key = str(spec.model).rstrip("/"), f"teachers[{spec.name}]"
+        info = server_info(url, opts, spec.name)
+        problems = []
+        if info.get("max_k") is not None and opts["k"] > int(info["max_k"]):
+            problems.append(f"options.k = {opts['k']}: the server gives at most {info['max_k']} (serve_teacher.py "
+                            "--max-k, vllm serve --max-logprobs)")
+        local = opts["tokenizer"]
+        if local is not None:
+            from distill_kit.engines.models import has_tokenizer
+
+            if not has_tokenizer(local):
+                problems.append(f"options.tokenizer {local!r} holds no tokenizer (tokenizer.json or "
+                                "tokenizer_config.json); give the folder of the server's model's tokenizer")
+            elif info.get("tokenizer_sha256") and _fingerprint(local) != info["tokenizer_sha256"]:
+                problems.append(f"the server's tokenizer (vocabulary sha256 {info['tokenizer_sha256'][:12]}) is not "
+                                f"options.tokenizer's ({local!r}: {_fingerprint(local)[:12]}): serve a model with this "
+                                "run's tokenizer, or point options.tokenizer at the server model's")
+        if problems:
+            raise ConfigError(f"{key}: " + "; ".join(problems))
+        config = _config(info.get("config"))
+        text = config.get_text_config() if config is not None else None
+        vocab = info.get("vocab_size") or (getattr(text, "vocab_size", None) if text is not None else None)
+        outputs = {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
+        return ServedCard(
+            kind=cls.kind, source=url, outputs=frozenset(outputs), can_generate=False, vocab_size=vocab,
+            tokenizer=str(local) if local is not None else None, positions=info.get("max_model_len"),
+            hidden_size=getattr(text, "hidden_size", None), num_layers=getattr(text, "num_hidden_layers", None),
+            eos_token_id=getattr(text, "eos_token_id", None), model_type=getattr(config, "model_type", None),
+            config=config, api=opts["api"], k=opts["k"], served_model=info.get("model"),
+            tokenizer_sha256=info.get("tokenizer_sha256"), teacher_sha256=info.get("teacher_sha256"), options=opts)
+
+    def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
+        super().__init__(spec, card, setup)
+        self.opts = card.options if isinstance(card, ServedCard) and card.options else options_of(spec)
+        self.url = str(spec.model).rstrip("/")
+        self.api, self.k = self.opts["api"], int(self.opts["k"])
+        self.served_model = card.served_model if isinstance(card, ServedCard) else None
+        self.device = setup.device
+        self.client = _client(self.opts)
+        self.pool = ThreadPoolExecutor(max_workers=self.opts["max_in_flight"], thread_name_prefix="served-teacher")
+        self.pending: OrderedDict[str, tuple[list[tuple[int, np.ndarray]], list[Future]]] = OrderedDict()
+        self.lock = threading.Lock()
+        self.waited_s = 0.0
+        """Seconds ``forward`` spent waiting on the server (what prefetch did not hide), for benchmarks."""
+
+    # ------------------------------------------------------------------------------------------- the step
+
+    def prefetch(self, inputs: Mapping[str, Any]) -> None:
+        """Send ``inputs``' requests now and return at once; the ``forward`` on the same inputs then takes their
+        answers. Call it with the next micro-batch's teacher inputs before the student's step on this one."""
+        key = _key(inputs)
+        with self.lock:
+            if key not in self.pending:
+                self.pending[key] = self._send(inputs)
+                while len(self.pending) > 4:  # prefetched and never consumed (a skipped batch): let them go
+                    self.pending.popitem(last=False)
+
+    def forward(self, inputs: Mapping[str, Any]) -> ServedOutput:
+        if inputs.get("output_hidden_states") or inputs.get("output_attentions"):
+            raise ConfigError(f"teachers[{self.spec.name}]: a served teacher returns top-k log-probabilities only; "
+                              "hidden-state and attention losses need an in-process teacher (kind: engine)")
+        key = _key(inputs)
+        with self.lock:
+            sent = self.pending.pop(key, None)
+        segments, futures = sent if sent is not None else self._send(inputs)
+        start = time.perf_counter()
+        answers = [future.result() for future in futures]
+        self.waited_s += time.perf_counter() - start
+        return ServedOutput(self._assemble(inputs, segments, [t for part in answers for t in part]))
+
+    def _send(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[int, np.ndarray]], list[Future]]:
+        segments = prompts_of(inputs)
+        prompts = [tokens.tolist() for _, tokens, _ in segments]
+        size = self.opts["rows_per_request"]
+        futures = [self.pool.submit(self._request, prompts[i:i + size]) for i in range(0, len(prompts), size)]
+        return segments, futures
+
+    def _assemble(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                  targets: Sequence[PromptTargets]) -> SparseTeacherLogits:
+        """(B, T, k) targets: each segment's rows placed at its positions but its last; zeros elsewhere."""
+        batch, length = inputs["input_ids"].shape
+        ids = np.zeros((batch, length, self.k), dtype=np.int64)
+        values = np.zeros((batch, length, self.k), dtype=np.float32)
+        tail = np.zeros((batch, length), dtype=np.float32) if self.opts["tail"] else None
+        for (row, _, positions), target in zip(segments, targets, strict=True):
+            where = positions[:-1]
+            ids[row, where], values[row, where] = target.ids, target.log_probs
+            if tail is not None:
+                tail[row, where] = target.log_tail if target.log_tail is not None else protocol.derived_tail(
+                    target.log_probs)
+        to = {"device": self.device}
+        return SparseTeacherLogits(torch.from_numpy(values).to(**to), torch.from_numpy(ids).to(**to),
+                                   None if tail is None else torch.from_numpy(tail).to(**to))
+
+    # ----------------------------------------------------------------------------------------- one request
+
+    def _request(self, prompts: list[list[int]]) -> list[PromptTargets]:
+        """One request, retried with backoff while the server is unreachable or restarting, for ``retries_s``."""
+        import httpx
+
+        body = protocol.request_body(self.api, prompts, self.k, self.served_model)
+        url = self.url + protocol.ENDPOINTS[self.api]
+        first_failure, delay = None, 0.5
+        while True:
+            try:
+                reply = self.client.post(url, json=body)
+                if reply.status_code in (502, 503, 504):
+                    raise httpx.TransportError(f"HTTP {reply.status_code}")
+                if reply.status_code == 401:
+                    raise ConfigError(f"teachers[{self.spec.name}]: the server at {self.url} refused the API key "
+                                      "(HTTP 401); set options.api_key_env to the variable holding its --api-key")
+                if reply.status_code != 200:
+                    raise TeacherResponseError(f"the teacher server at {url} answered HTTP {reply.status_code}: "
+                                               f"{reply.text[:300]}")
+                return protocol.parse(self.api, reply.content, prompts, self.k)
+            except httpx.TimeoutException as err:
+                raise TeacherTimeout(
+                    f"the teacher server at {url} did not answer within timeout_s={self.opts['timeout_s']:g} s "
+                    f"({type(err).__name__}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens). A loaded or "
+                    "slow server: raise options.timeout_s, lower options.rows_per_request, or give it more GPUs; "
+                    "the run checkpoints here, resume with --resume") from None
+            except (httpx.TransportError, httpx.DecodingError) as err:
+                now = time.monotonic()
+                first_failure = first_failure or now
+                if now - first_failure >= self.opts["retries_s"]:
+                    raise TeacherUnavailable(
+                        f"the teacher server at {self.url} has not answered for {now - first_failure:.0f} s "
+                        f"(retries_s={self.opts['retries_s']:g}; last: {type(err).__name__}: {err}). The run stops "
+                        "here after a checkpoint: restart the server, then resume with --resume") from None
+                LOG.warning("teacher server %s: %s; retrying in %.1f s", self.url, err, delay)
+                time.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
+                delay = min(delay * 2, 10.0)
+
+    # ------------------------------------------------------------------------------------------ identity
+
+    @property
+    def identity(self) -> str:
+        """The server's weights' sha256 where it reports one (then resuming against another server holding the same
+        weights is allowed); else the API, URL and served model name."""
+        card = self.card
+        if isinstance(card, ServedCard) and card.teacher_sha256:
+            return card.teacher_sha256
+        return f"served:{self.api}:{self.url}:{getattr(card, 'served_model', None)}"
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+
+def prompts_of(inputs: Mapping[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Each prompt a micro-batch asks the server to score: ``(row, tokens, positions)``, ``positions`` the columns
+    its tokens sit at. A row's real tokens (``attention_mask`` 1, or all without one) are one prompt; a packed row
+    (``position_ids``, no mask) holds one per conversation, where the positions restart at 0. A prompt of one token
+    predicts nothing the losses count and is not sent."""
+    ids = inputs["input_ids"].detach().cpu().numpy()
+    mask = inputs.get("attention_mask")
+    mask = np.ones_like(ids, dtype=bool) if mask is None else mask.detach().cpu().numpy().astype(bool)
+    packed = inputs.get("position_ids") is not None and inputs.get("attention_mask") is None
+    starts = inputs["position_ids"].detach().cpu().numpy() == 0 if packed else None
+    out = []
+    for row in range(ids.shape[0]):
+        columns = np.flatnonzero(mask[row])
+        pieces = np.split(columns, np.flatnonzero(starts[row][columns])[1:]) if packed else [columns]
+        out += [(row, ids[row, piece], piece) for piece in pieces if len(piece) > 1]
+    return out
+
+
+def tokenizer_problems(card: TeacherCard, reference: Any, label: str = "the run") -> list[str]:
+    """A served teacher's tokenizer against the run's (a folder or a tokenizer): one problem naming both, or none.
+    For the plan's tokenizer rule where the card has no local folder to compare (``ServedCard.tokenizer_sha256``)."""
+    theirs = getattr(card, "tokenizer_sha256", None)
+    if theirs is None or reference is None:
+        return []
+    ours = _fingerprint(reference)
+    if ours == theirs:
+        return []
+    return [f"the served teacher at {card.source}: its tokenizer (vocabulary sha256 {theirs[:12]}) differs from "
+            f"{label}'s ({ours[:12]}). Logit losses compare token ids: serve a model with the students' tokenizer"]
+
+
+def _fingerprint(source: Any) -> str:
+    from distill_kit.offline.fingerprints import tokenizer_fingerprint
+
+    if isinstance(source, str) or hasattr(source, "__fspath__"):
+        from transformers import AutoTokenizer
+
+        source = AutoTokenizer.from_pretrained(source)
+    return tokenizer_fingerprint(source)
+
+
+def _config(values: Any) -> Any:
+    """The server's model config as a ``PretrainedConfig`` (what a fresh student is built from), or None."""
+    if not isinstance(values, dict) or "model_type" not in values:
+        return None
+    from transformers import AutoConfig
+
+    values = dict(values)
+    try:
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _key(inputs: Mapping[str, Any]) -> str:
+    """Which micro-batch ``inputs`` are (prefetch's and forward's meeting point): a hash of their token tensors."""
+    digest = hashlib.sha256()
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        value = inputs.get(name)
+        if value is not None:
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()

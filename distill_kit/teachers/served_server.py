@@ -1,0 +1,242 @@
+"""The project's own teacher server: an in-process teacher behind vLLM's completions API and a compact binary one.
+
+``scripts/serve_teacher.py`` builds it; this module is what it serves (FastAPI on uvicorn):
+
+* ``GET /health``; ``GET /info``: the model, its vocabulary size, ``tokenizer_sha256`` (the vocabulary's sha256,
+  as ``offline/fingerprints.tokenizer_fingerprint`` computes it), ``teacher_sha256`` (its weights', as checkpoints
+  record a teacher), ``max_k``, ``max_model_len`` and the model config (what a fresh student is built from);
+  ``GET /v1/models``: vLLM's model list, with the same facts added to the entry.
+* ``POST /v1/completions``: vLLM-compatible, for token-id prompts with ``prompt_logprobs`` (the fields and the
+  serialisation of ``vllm/entrypoints/openai/completion/protocol.py``; one greedy token per prompt). So a client,
+  or the tests, can use one code path against this server and a real vLLM.
+* ``POST /v1/topk``: ``{"prompts": [[ids]], "k": k}`` -> the binary body of ``served_protocol.encode_topk``, with
+  the tail's exact mass: parsing it costs a copy, where JSON costs a Python object per entry.
+
+Requests to the model are served one forward at a time (a lock): the client keeps several in flight so the next is
+queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``, as
+``vllm serve --api-key`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from torch import nn
+
+from distill_kit.teachers import served_protocol as protocol
+
+FAULTS = ("none", "slow", "empty", "garbage", "truncate", "other_tokens", "other_k")
+"""Test aids (``serve_teacher.py --test-faults``, then ``POST /test/fault``): each makes the server misbehave as a
+cluster's server can, without a restart per fault."""
+
+
+class TopKRequest(BaseModel):
+    prompts: list[list[int]]
+    k: int
+
+
+class CompletionRequest(BaseModel):
+    """The fields of vLLM's ``CompletionRequest`` this server reads; others are ignored, as vLLM ignores none."""
+
+    model: str | None = None
+    prompt: list[int] | list[list[int]]
+    prompt_logprobs: int | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    return_token_ids: bool | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class FaultRequest(BaseModel):
+    mode: str = "none"
+    after: int = 0
+    """Scoring requests answered well before the fault starts."""
+    slow_s: float = 30.0
+
+
+class Scorer:
+    """The model's top-k log-probabilities of token-id prompts, each prompt scored as its own right-padded row."""
+
+    def __init__(self, model: nn.Module, device: torch.device, max_batch_tokens: int = 65536,
+                 chunk_tokens: int = 2048):
+        self.model, self.device = model.eval(), device
+        self.max_batch_tokens, self.chunk_tokens = max_batch_tokens, chunk_tokens
+        self.lock = threading.Lock()
+
+    @torch.no_grad()
+    def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each prompt's ``(L, V)`` logits (in the model's dtype), prompts run together in right-padded batches."""
+        out: list[torch.Tensor] = []
+        start = 0
+        while start < len(prompts):
+            longest, stop = 0, start
+            while stop < len(prompts) and max(longest, len(prompts[stop])) * (stop - start + 1) <= max(
+                    self.max_batch_tokens, len(prompts[stop])):
+                longest, stop = max(longest, len(prompts[stop])), stop + 1
+            group = prompts[start:stop]
+            ids = torch.zeros((len(group), longest), dtype=torch.long)
+            mask = torch.zeros((len(group), longest), dtype=torch.long)
+            for row, prompt in enumerate(group):
+                ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+                mask[row, :len(prompt)] = 1
+            with self.lock:
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            out += [logits[row, :len(prompt)] for row, prompt in enumerate(group)]
+            start = stop
+        return out
+
+    def topk(self, prompts: Sequence[Sequence[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every prompt's first ``L - 1`` positions, in order: ids (N, k) int32, log-probabilities (N, k)
+        float32 and the tail's log mass (N,) float32, as ``offline/capture.top_k`` computes them."""
+        from distill_kit.offline.capture import top_k
+
+        rows = [row[:-1] for row in self.logits(prompts)]
+        flat = torch.cat(rows) if rows else torch.zeros((0, 1))
+        values, ids, tails = top_k(flat, k, self.chunk_tokens)
+        return ids.int().cpu().numpy(), values.cpu().numpy(), tails.cpu().numpy()
+
+    def vllm_positions(self, prompt: Sequence[int], k: int) -> tuple[list[Any], int]:
+        """One prompt's ``prompt_logprobs`` as vLLM serialises them (``None``, then per token its top k by rank and
+        the token itself with its true rank when not among them), and the greedy next token."""
+        logits = self.logits([prompt])[0].float()
+        log_p = F.log_softmax(logits, dim=-1)
+        values, ids = log_p[:-1].topk(k, dim=-1)
+        targets = torch.as_tensor(prompt[1:], dtype=torch.long, device=log_p.device)
+        own = log_p[:-1].gather(-1, targets[:, None])[:, 0]
+        ranks = (log_p[:-1] > own[:, None]).sum(-1) + 1
+        positions: list[Any] = [None]
+        for j in range(len(prompt) - 1):
+            entry = {int(t): {"logprob": max(float(v), protocol.VLLM_NEG_INF), "rank": r + 1, "decoded_token": None}
+                     for r, (v, t) in enumerate(zip(values[j].tolist(), ids[j].tolist(), strict=True))}
+            if int(targets[j]) not in entry:
+                entry[int(targets[j])] = {"logprob": max(float(own[j]), protocol.VLLM_NEG_INF),
+                                          "rank": int(ranks[j]), "decoded_token": None}
+            positions.append({str(t): v for t, v in entry.items()})
+        return positions, int(log_p[-1].argmax())
+
+
+def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = None, test_faults: bool = False,
+              ) -> FastAPI:
+    """The FastAPI app. ``info``: what ``/info`` reports (``model``, ``vocab_size``, ``tokenizer_sha256``, ...).
+    ``test_faults``: adds ``POST /test/fault`` (:class:`FaultRequest`), which makes every scoring request after the
+    next ``after`` misbehave as ``mode`` says (tests only)."""
+    app = FastAPI(title="distill-kit teacher server")
+    fault = {"mode": "none", "after": 0, "slow_s": 30.0, "count": 0}
+    max_k = int(info["max_k"])
+
+    def authorised(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise HTTPException(status_code=401, detail="Unauthorized: send Authorization: Bearer <api key>")
+
+    def checked(prompts: Any, k: int) -> list[list[int]]:
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
+        if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
+            raise HTTPException(status_code=400, detail="prompt: give a list of non-empty token-id lists")
+        vocab = int(info["vocab_size"])
+        if any(not (isinstance(t, int) and 0 <= t < vocab) for p in prompts for t in p):
+            raise HTTPException(status_code=400, detail=f"prompt: token ids must be in [0, {vocab})")
+        if not 1 <= k <= max_k:
+            raise HTTPException(status_code=400, detail=f"k = {k}: this server gives 1 to {max_k} "
+                                                        "(serve_teacher.py --max-k)")
+        too_long = [len(p) for p in prompts if len(p) > int(info["max_model_len"])]
+        if too_long:
+            raise HTTPException(status_code=400, detail=f"prompt of {too_long[0]} tokens: longer than "
+                                                        f"max_model_len {info['max_model_len']}")
+        return prompts
+
+    def faulty() -> str:
+        fault["count"] += 1
+        mode = fault["mode"] if fault["count"] > fault["after"] else "none"
+        if mode == "slow":
+            time.sleep(fault["slow_s"])
+        return mode
+
+    if test_faults:
+        @app.post("/test/fault", dependencies=[Depends(authorised)])
+        def set_fault(request: FaultRequest) -> dict[str, Any]:
+            if request.mode not in FAULTS:
+                raise HTTPException(status_code=400, detail=f"mode {request.mode!r}: one of {FAULTS}")
+            fault.update(mode=request.mode, after=request.after, slow_s=request.slow_s, count=0)
+            return {"mode": request.mode}
+
+    @app.get("/health")
+    def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/info", dependencies=[Depends(authorised)])
+    def get_info() -> dict[str, Any]:
+        return info | {"api": "distill_kit"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorised)])
+    def models() -> dict[str, Any]:
+        entry = {"id": info["model"], "object": "model", "created": int(time.time()), "owned_by": "distill_kit",
+                 "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
+        return {"object": "list", "data": [entry | {"distill_kit": get_info()}]}
+
+    @app.post("/v1/topk", dependencies=[Depends(authorised)])
+    def topk(request: TopKRequest) -> Response:
+        prompts = checked(request.prompts, request.k)
+        mode = faulty()
+        k = _other_k(request.k, max_k) if mode == "other_k" else request.k
+        scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
+        body = protocol.encode_topk(scored, k, *scorer.topk(scored, k))
+        return Response(content=_broken(body, mode), media_type=protocol.BINARY_MEDIA_TYPE)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorised)])
+    def completions(request: CompletionRequest) -> Response:
+        if request.model not in (None, info["model"]):
+            return JSONResponse(status_code=404, content={"error": {
+                "message": f"The model `{request.model}` does not exist.", "type": "NotFoundError", "code": 404}})
+        if request.prompt_logprobs is None or request.logprobs is not None or request.echo:
+            raise HTTPException(status_code=400, detail="this server scores prompts: send prompt_logprobs: k, "
+                                                        "max_tokens: 1, and no logprobs or echo")
+        prompts = checked(request.prompt, request.prompt_logprobs)
+        mode = faulty()
+        k = _other_k(request.prompt_logprobs, max_k) if mode == "other_k" else request.prompt_logprobs
+        choices = []
+        for index, scored in enumerate(_other_tokens(prompts, info) if mode == "other_tokens" else prompts):
+            positions, next_token = scorer.vllm_positions(scored, k)
+            choices.append({"index": index, "text": "", "logprobs": None, "finish_reason": "length",
+                            "stop_reason": None, "token_ids": [next_token] if request.return_token_ids else None,
+                            "prompt_logprobs": positions,
+                            "prompt_token_ids": scored if request.return_token_ids else None})
+        tokens = sum(len(p) for p in prompts)
+        document = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": info["model"], "choices": choices, "system_fingerprint": None,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens + len(prompts),
+                              "completion_tokens": len(prompts), "prompt_tokens_details": None}}
+        return Response(content=_broken(json.dumps(document).encode(), mode), media_type="application/json")
+
+    return app
+
+
+def _other_k(k: int, max_k: int) -> int:
+    return k + 1 if k < max_k else k - 1
+
+
+def _other_tokens(prompts: list[list[int]], info: dict[str, Any]) -> list[list[int]]:
+    return [[(t + 1) % int(info["vocab_size"]) for t in p] for p in prompts]
+
+
+def _broken(body: bytes, mode: str) -> bytes:
+    """``body`` as a fault mode sends it (a test aid)."""
+    if mode == "empty":
+        return b""
+    if mode == "garbage":
+        return b"<html><body>502 Bad Gateway</body></html>"
+    if mode == "truncate":
+        return body[: len(body) // 2]
+    return body

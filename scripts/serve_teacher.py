@@ -1,0 +1,98 @@
+"""Serve a teacher over HTTP, so a run distils from it without holding it (``TeacherSpec(model="http://...")``).
+
+    python scripts/serve_teacher.py distill_kit/assets/default/teacher --port 8100          # the embedded default
+    python scripts/serve_teacher.py /models/qwen2-7b --device cuda --dtype bf16 --port 8100 --api-key "$KEY"
+    python scripts/serve_teacher.py /models/qwen2-72b --device cuda --precision fp8 --port 8100   # one H200
+
+It answers vLLM's ``/v1/completions`` with ``prompt_logprobs`` (so a client written for vLLM works unchanged) and
+the project's compact ``/v1/topk`` (raw arrays, the exact tail mass), and reports at ``/info`` and ``/v1/models``
+its model, vocabulary size, tokenizer identity (the vocabulary's sha256) and weights' sha256, which the client
+compares with the run's before any write. It binds 127.0.0.1 unless ``--host`` says otherwise; with ``--api-key``
+(or ``DISTILL_KIT_TEACHER_API_KEY``) every request but ``/health`` needs ``Authorization: Bearer <key>``, as vLLM's
+``--api-key``. The endpoints: ``distill_kit/teachers/served_server.py``; the client: ``teachers/served.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from distill_kit.engines import fp8, models
+from distill_kit.engines.fingerprint import teacher_fingerprint
+from distill_kit.teachers.served_server import Scorer, build_app
+
+LOG = logging.getLogger("serve_teacher")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a save_pretrained folder (with its tokenizer, so clients can check theirs)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind; 0.0.0.0 exposes it to the network "
+                                                            "(then give --api-key)")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--api-key", default=os.environ.get("DISTILL_KIT_TEACHER_API_KEY"),
+                        help="required as 'Authorization: Bearer <key>' (default: $DISTILL_KIT_TEACHER_API_KEY)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="weights and compute (default: bf16 on a GPU, fp32 on the CPU)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp8"), default="auto",
+                        help="fp8: decoder layers in FP8 on one GPU (docs/fp8.md); needs --dtype bf16")
+    parser.add_argument("--served-model-name", help="the name /v1/models reports (default: the folder's name)")
+    parser.add_argument("--max-k", type=int, default=256, help="the largest k a request may ask for")
+    parser.add_argument("--max-model-len", type=int, help="the longest prompt (default: the model's positions)")
+    parser.add_argument("--max-batch-tokens", type=int, default=65536,
+                        help="prompts run together in right-padded batches of at most this many tokens")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--test-faults", action="store_true", help=argparse.SUPPRESS)  # tests: POST /test/fault
+    parser.add_argument("--log-level", default="warning")
+    return parser.parse_args(argv)
+
+
+def load(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    """The model on its device, and what ``/info`` reports of it."""
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    config = models.model_config(args.model)
+    model = fp8.load_teacher(args.model, {}, dtype, fp8.resolve(args.precision, dtype), False, device, config=config)
+    if getattr(model, "teacher_precision", None) != "fp8":
+        model = model.to(device)
+    model.requires_grad_(False).eval()
+    text = config.get_text_config()
+    tokenizer_sha256 = None
+    if models.has_tokenizer(args.model):
+        from transformers import AutoTokenizer
+
+        from distill_kit.offline.fingerprints import tokenizer_fingerprint
+
+        tokenizer_sha256 = tokenizer_fingerprint(AutoTokenizer.from_pretrained(args.model))
+    info = {"model": args.served_model_name or Path(args.model).name, "vocab_size": int(text.vocab_size),
+            "tokenizer_sha256": tokenizer_sha256, "teacher_sha256": teacher_fingerprint(model),
+            "max_k": args.max_k, "max_model_len": args.max_model_len or getattr(text, "max_position_embeddings", None)
+            or 1 << 20, "dtype": dtype, "precision": fp8.resolve(args.precision, dtype),
+            "config": config.to_dict()}
+    return model, info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        LOG.warning("binding %s without --api-key: anyone who reaches the port can use the teacher", args.host)
+    model, info = load(args)
+    app = build_app(Scorer(model, torch.device(args.device), args.max_batch_tokens), info, api_key=args.api_key,
+                    test_faults=args.test_faults)
+    import uvicorn
+
+    LOG.info("serving %s (vocabulary %d, tokenizer %s) on http://%s:%d", info["model"], info["vocab_size"],
+             (info["tokenizer_sha256"] or "none")[:12], args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()
