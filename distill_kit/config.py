@@ -493,6 +493,19 @@ class TeacherSpec:
             raise ValueError(f"teacher {self.name!r}: weight must be a finite number >= 0, got {self.weight!r}")
 
 
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The run's DeepSpeed configs as one value: the students' and the teachers' (files, JSON/HJSON with "auto", or
+    dicts) and the dotted keys written over each. A spec's own ``ds_config`` / ``ds_overrides`` go over these."""
+
+    student: Any = str(CONFIG_DIR / "zero2_student.json")
+    """Every student's DeepSpeed config, unless its spec names its own."""
+    teacher: Any = str(CONFIG_DIR / "zero3_teacher.json")
+    """Every engine teacher's, unless its spec names its own; ZeRO-3 shards it, stage 0 replicates it."""
+    student_overrides: dict[str, Any] = field(default_factory=dict)
+    teacher_overrides: dict[str, Any] = field(default_factory=dict)
+
+
 def specs(cls: type, entries: Sequence[Any], kind: str) -> list[Any]:
     """``entries`` (specs or plain dicts) as a list of ``cls`` with distinct names; dicts go through :func:`build`."""
     built = [build(cls, entry, f"{kind}s[{i}].") if isinstance(entry, Mapping) else entry

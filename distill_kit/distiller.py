@@ -8,7 +8,7 @@ Every shape of run is this one class::
     Distiller(students=[StudentSpec(..., loss="mutual_kl"), ...], teachers=[])        # no teacher: side by side
 
 Inside, two kinds of parts and no second loop: one :class:`~distill_kit.training.student.Student` per trained model
-(engine, loss, forward, export) and the :class:`~distill_kit.training.teachers.Teachers` (frozen engines, or a
+(engine, loss, forward, export) and the :class:`~distill_kit.teachers.group.Teachers` (frozen engines, or a
 captured store). The step, each hook overridable alone by research code::
 
     batch = self.make_batch(batch)                       # on-policy: samples replace a fraction of the answers
@@ -24,7 +24,9 @@ The loop around the step (accumulation, records, checkpoints and resume, signals
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -32,17 +34,21 @@ from typing import Any
 
 from torch import nn
 
-from distill_kit.config import CONFIG_DIR, StudentSpec, TeacherSpec, TrainingConfig, specs
+from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed
-from distill_kit.engines.models import ModelSource
+from distill_kit.engines.models import ModelSource, fresh_student
 from distill_kit.errors import ConfigError
+from distill_kit.teachers import TeacherSetup
+from distill_kit.teachers.combine import Combine
+from distill_kit.teachers.group import Teachers
 from distill_kit.training import evaluation, nonfinite
 from distill_kit.training.loop import Batch, Trainer
 from distill_kit.training.on_policy import Sampler
-from distill_kit.training.plan import make_plan
+from distill_kit.training.plan import DataFacts, Plan, make_plan
 from distill_kit.training.student import Student
-from distill_kit.training.teachers import Combine, Teachers
 from losses import DistillationLoss, LossOutput
+
+logger = logging.getLogger("distill_kit")
 
 DeepSpeedConfig = str | Path | Mapping[str, Any]
 
@@ -67,34 +73,52 @@ class Distiller(Trainer):
         loss: Any = "forward_kl",
         peft: Any = None,
         training: TrainingConfig | None = None,
-        student_ds_config: DeepSpeedConfig = CONFIG_DIR / "zero2_student.json",
-        teacher_ds_config: DeepSpeedConfig = CONFIG_DIR / "zero3_teacher.json",
-        student_ds_overrides: Mapping[str, Any] | None = None,
-        teacher_ds_overrides: Mapping[str, Any] | None = None,
+        deepspeed: DeepSpeedSettings | None = None,
+        data: DataFacts | None = None,
+        output_dir: str | Path | None = None,
+        tokenizer: str | None = None,
         vocab_map: Any = None,
+        student_ds_config: DeepSpeedConfig | None = None,
+        teacher_ds_config: DeepSpeedConfig | None = None,
+        plan: Plan | None = None,
     ):
         """``loss`` and ``peft`` belong to the one-line case (a spec carries its own). ``peft`` (``{r, alpha,
         dropout, target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters on a frozen
-        student. ``combine`` joins several teachers: ``sum`` of one loss per teacher, or one loss against their
-        weighted ``mixture`` (``training/teachers.py``). ``vocab_map`` (a :class:`~distill_kit.data.alignment.
+        student. ``combine`` joins several teachers: ``sum`` of one loss per teacher, one loss against their weighted
+        ``mixture``, or each row its own teacher (``route``; ``teachers/combine.py``). ``deepspeed``: the run's
+        DeepSpeed configs and overrides as one value (``student_ds_config`` / ``teacher_ds_config``: the common
+        case's shorthand). ``data``: what the data is (chat or text, rows, packing), which on-policy sampling and the
+        positions check read. ``output_dir``: checkpoints go to ``<output_dir>/checkpoints`` (or
+        ``training.checkpoint_dir``); with neither, nothing is saved. ``tokenizer``: the run's, which every model's is
+        checked against (default: the first teacher's). ``vocab_map`` (a :class:`~distill_kit.data.alignment.
         VocabMap`) says the tokenizers differ: batches are paired blocks and the loss ``cross_tokenizer`` gets it.
+        ``plan``: one made already from the same specs (the CLI's, made by its start-up checks), built as it is.
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
+        deepspeed = deepspeed or DeepSpeedSettings()
+        if student_ds_config is not None or teacher_ds_config is not None:
+            deepspeed = dataclasses.replace(deepspeed, **{k: v for k, v in (("student", student_ds_config),
+                                                                              ("teacher", teacher_ds_config)) if v})
         super().__init__(training)
-        keyed = student is not None  # the one-line case: records "loss", checkpoint folder "deepspeed"
-        self.plan = make_plan(student_specs, teacher_specs, training=self.training, combine=combine,
-                              world_size=distributed.world_size(), student_ds_config=student_ds_config,
-                              teacher_ds_config=teacher_ds_config, student_ds_overrides=student_ds_overrides,
-                              teacher_ds_overrides=teacher_ds_overrides, vocab_map=vocab_map, alone=keyed)
-        """What every engine is built from (``training/plan.py``), checked before anything loads."""
-        self.teachers = Teachers(teacher_specs, self.plan.teacher_ds_configs, self.training, self.device,
-                                 need_attentions=self.plan.need_attentions, vocab_size=self.plan.teacher_vocab_size)
+        if plan is None:
+            plan = make_plan(student_specs, teacher_specs, training=self.training, combine=combine,
+                             world_size=distributed.world_size(), deepspeed=deepspeed, data=data,
+                             output_dir=output_dir, tokenizer=tokenizer, vocab_map=vocab_map,
+                             alone=student is not None)
+        self.plan = plan
+        """Every decision the run builds from (``training/plan.py``), checked before anything loads."""
+        self.training = self.plan.training  # with what the plan derived: sample limits, the checkpoint folder
+        if distributed.is_main():
+            for note in self.plan.notes:
+                logger.info(note)
+        self.teachers = Teachers(teacher_specs, self.plan.cards, self._teacher_setups(),
+                                 vocab_size=self.plan.teacher_vocab_size)
         self.teacher = self.teachers.first
-        """The first teacher's engine (None without one); ``self.teachers`` holds them all."""
+        """The first teacher's model (an engine; None without one); ``self.teachers`` holds them all."""
         self.students: dict[str, Student] = {
-            s.name: Student(s, "" if keyed else s.name, self.plan.losses[s.name], self.plan.student_ds_configs[s.name],
-                            s.training(self.training), adapters=self.plan.adapters.get(s.name),
-                            main=distributed.is_main())
+            s.name: Student(self._built(s), self.plan.keys[s.name], self.plan.losses[s.name],
+                            self.plan.student_ds_configs[s.name], s.training(self.training),
+                            adapters=self.plan.adapters.get(s.name), main=distributed.is_main())
             for s in student_specs}
         self._hooks_take_student = {hook: "student" in inspect.signature(getattr(self, hook)).parameters
                                     for hook in ("student_forward", "compute_loss")}
@@ -107,6 +131,23 @@ class Distiller(Trainer):
         self.sampler = (Sampler(on_policy, lambda: only.model) if on_policy.sampler == "student" else
                         Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
                                 synced=distributed.world_size() > 1))
+
+    def _teacher_setups(self) -> dict[str, TeacherSetup]:
+        return {name: TeacherSetup(self.plan.teacher_ds_configs[name], self.training, self.device,
+                                   need_attentions=self.plan.need_attentions,
+                                   head_at_loss=self.plan.head_at_loss[name]) for name in self.plan.cards}
+
+    def _built(self, spec: StudentSpec) -> StudentSpec:
+        """A student given as a model, or built here from the plan's config: ``init`` (fresh weights, seeded by
+        ``training.seed``, as the CLI builds it). A cut (``init_from_teacher``) needs calibration batches: the CLI's."""
+        if spec.model is not None:
+            return spec
+        if spec.init_from_teacher is not None:
+            raise ConfigError(f"students[{spec.name}].init_from_teacher cuts the student from the teacher's weights on "
+                              "calibration batches: run it through scripts/distill.py, or cut it first "
+                              "(distill_kit.students.from_teacher.student_from_teacher) and give model=")
+        return dataclasses.replace(spec, model=fresh_student(self.plan.student_configs[spec.name], self.training.seed),
+                                   init={})
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

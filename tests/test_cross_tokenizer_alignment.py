@@ -147,8 +147,8 @@ def test_paired_dataset_columns_and_bytes(tmp_path):
 
 
 def test_tokenizer_mismatch_errors_name_the_loss_to_use(tmp_path):
+    from distill_kit.teachers.tokenizers import tokenizer_problems
     from distill_kit.training.plan import check_vocabulary
-    from distill_kit.training.teachers import tokenizer_problems
 
     for name, tokenizer in (("teacher", bpe("a b")), ("student", bpe())):
         tokenizer.save_pretrained(tmp_path / name)

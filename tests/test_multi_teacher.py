@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, GPT2LMHeadModel
 from distill_kit import Distiller, TeacherSpec
 from distill_kit.config import specs
 from distill_kit.run.run_config import DEFAULT_TEACHER
-from distill_kit.training.teachers import check_weights
+from distill_kit.teachers.combine import check_weights
 from losses import functional
 
 WORKER = ROOT / "tests/workers/teacher_scenarios.py"

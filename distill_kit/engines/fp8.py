@@ -70,7 +70,7 @@ def teacher_kernels(kernels: str, precision: str) -> str:
 
 
 def run_teacher_kernels(training: Any) -> str:
-    """The teachers' kernels choice of a run's ``TrainingConfig``: what :class:`~distill_kit.training.teachers.
+    """The teachers' kernels choice of a run's ``TrainingConfig``: what :class:`~distill_kit.teachers.group.
     Teachers` applies, and what a student's Liger options depend on (``kernels.beside``)."""
     return teacher_kernels(training.teacher_kernels, resolve(training.teacher_precision, training.dtype))
 

@@ -82,6 +82,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def fresh_student(config: PretrainedConfig, seed: int) -> nn.Module:
+    """A model of ``config`` with fresh weights drawn from ``seed``: the same weights wherever it is built."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def has_tokenizer(source: Any) -> bool:
     """A local folder holding a tokenizer (what tokenizer rules compare; a hub name cannot be read offline)."""
     return isinstance(source, str | Path) and any((Path(source) / f).is_file()

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from distill_kit.config import StudentSpec, TeacherSpec
 from distill_kit.data import blocks, chat
@@ -31,7 +30,8 @@ from distill_kit.run import output_dir, report, run_config, student_tokenizer, v
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
-from distill_kit.training import checkpoint, preemption
+from distill_kit.training import checkpoint
+from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
 logger = logging.getLogger("distill_kit")
 
@@ -58,7 +58,7 @@ def calibration_loader(train_loader):
                               shuffle=False, drop_last=False, **extra)
 
 
-def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
+def cut_students(config: RunConfig, plan: Plan, train_loader) -> dict[str, nn.Module]:
     """The students built from the teacher's own weights (``init_from_teacher``) not built yet, by name, on every
     rank (a resume reuses those in ``<output_dir>/init``).
 
@@ -74,14 +74,9 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
               if s.init_from_teacher is not None and s.name not in built}
     if not wanted:
         return {}
-    ds_config, problems = deepspeed_config.resolve(
-        deepspeed_config.load(config.teacher_ds_config), config.training, name="teacher DeepSpeed config",
-        hidden_size=models.hidden_size(config.teacher), world_size=distributed.world_size(),
-        overrides=config.teacher_ds_overrides)
-    if problems:
-        raise ConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
-    ds_config.setdefault("train_micro_batch_size_per_gpu", config.training.micro_batch_size)
-    teacher = models.load(config.teacher, ds_config, config.training.dtype)
+    lead = next(iter(plan.cards))
+    ds_config = plan.teacher_ds_configs[lead]  # the lead teacher's, as the run will build it
+    teacher = models.load(config.teacher, ds_config, config.training.dtype, config=plan.cards[lead].config)
     device = distributed.init()
     if deepspeed_config.zero_stage(ds_config) != 3:
         teacher.to(device)  # a replicated teacher: whole on every rank, as the run will hold it
@@ -90,7 +85,7 @@ def cut_students(config: RunConfig, train_loader) -> dict[str, nn.Module]:
 
 
 def prepare_student(student: StudentSpec, config: RunConfig, tokenizer: PreTrainedTokenizerBase,
-                    cut: nn.Module | None = None) -> StudentSpec:
+                    cut: nn.Module | None = None, plan: Plan | None = None) -> StudentSpec:
     """The student's spec. Its model is the given directory (its tokenizer checked at start-up against the run's, or
     the students' own with ``student_tokenizer``), or a fresh one built from the teacher's config
     with ``init`` overrides (checked by ``validate``; and the students' vocabulary), or ``cut`` (built from the
@@ -101,16 +96,18 @@ def prepare_student(student: StudentSpec, config: RunConfig, tokenizer: PreTrain
         return student
     path = Path(config.output_dir) / "init" / student.name
     if distributed.is_main() and not (path / "config.json").is_file():
-        model_config = AutoConfig.from_pretrained(config.teacher)
-        if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
-            model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-                                 "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
-                                 "pad_token_id": tokenizer.pad_token_id})
-        model_config.update(validate.student_init(student, model_config))
-        torch.manual_seed(config.training.seed)
+        if plan is not None:  # the plan's config of it: the lead teacher's with init (read once, by the plan)
+            model_config = plan.student_configs[student.name]
+        else:  # across tokenizers (no plan before the vocabulary map) and the task benchmark's recipes
+            model_config = AutoConfig.from_pretrained(config.teacher)
+            if config.student_tokenizer is not None:  # the students' own vocabulary, unless init says otherwise
+                model_config.update({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                                     "bos_token_id": tokenizer.bos_token_id or tokenizer.eos_token_id,
+                                     "pad_token_id": tokenizer.pad_token_id})
+            model_config.update(student_init(student, model_config))
         partial = path.with_name(checkpoint.PARTIAL + path.name)
         shutil.rmtree(partial, ignore_errors=True)
-        (cut if cut is not None else AutoModelForCausalLM.from_config(model_config)).save_pretrained(partial)
+        (cut if cut is not None else models.fresh_student(model_config, config.training.seed)).save_pretrained(partial)
         partial.replace(path)
     distributed.barrier()
     return dataclasses.replace(student, model=str(path), init={}, init_from_teacher=None)
@@ -133,48 +130,22 @@ def run_identity(config: RunConfig) -> dict[str, Any]:
 
 
 def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
-    """Fix the output folder (a new dated one by default; rank 0 picks it) and checkpoint into it."""
+    """Fix the output folder (a new dated one by default; rank 0 picks it); the plan puts checkpoints in it."""
     output_dir = config.output_dir
     if output_dir is None:
         if resume:
             raise ConfigError("--resume needs the run's folder: --output_dir runs/<the run>")
         output_dir = distributed.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S"))
-    training = config.training
-    if training.checkpoint_dir is None:
-        training = dataclasses.replace(training, checkpoint_dir=str(Path(output_dir) / "checkpoints"))
-    return dataclasses.replace(config, output_dir=output_dir, training=training)
-
-
-def with_sample_limit(config: RunConfig) -> RunConfig:
-    """On-policy samples cut to the fewest positions among the run's models (``on_policy.max_length`` 0): every
-    row a model reads, prompt and sample, then fits it; and with ``data.packing: true`` on chat data, the sampled
-    micro-batches packed into rows of ``data.block_size`` (``on_policy.pack_to``, when not given). Filled after
-    the run's identity is taken: it follows from the models and the data config, which the identity names."""
-    on_policy = config.training.on_policy
-    if on_policy.fraction > 0 and config.data.packing is True and not on_policy.pack_to and (
-            config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) == "chat"):
-        on_policy = dataclasses.replace(on_policy, pack_to=config.data.block_size)
-        config = dataclasses.replace(config, training=dataclasses.replace(config.training, on_policy=on_policy))
-        logger.info("data.packing: the sampled micro-batches are packed into rows of %d tokens after sampling "
-                    "(training.on_policy.pack_to)", on_policy.pack_to)
-    if on_policy.fraction == 0 or on_policy.max_length:
-        return config
-    limit = validate.row_limit(config)
-    if limit is None:
-        return config
-    logger.info("on-policy rows (prompt + sample) are cut to %d tokens: the fewest positions among the run's models",
-                limit)
-    training = dataclasses.replace(config.training, on_policy=dataclasses.replace(on_policy, max_length=limit))
-    return dataclasses.replace(config, training=training)
+    return dataclasses.replace(config, output_dir=output_dir)
 
 
 def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
-                  tokenize=None):
+                  data: DataFacts, tokenize=None):
     """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
     ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks)."""
     rank, world = distributed.rank(), distributed.world_size()
     mbs, seed = config.training.micro_batch_size, config.training.seed
-    if chat.detect_format(data_config) == "chat":
+    if data.kind == "chat":
         if tokenize is not None:
             raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
                               "template per tokenizer, aligned answers) is not supported yet")
@@ -220,9 +191,9 @@ def distiller_class(config: RunConfig) -> type[Distiller]:
         raise ConfigError(f"distiller: {config.distiller!r} is not an import path; write 'pkg.module:Class'")
     try:
         found = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"distiller: cannot import {config.distiller!r} ({err}); check the module is on "
-                          "PYTHONPATH and the class name is spelled as in its file") from None
+    except Exception as err:  # noqa: BLE001 - a missing module, a typo, or the module's own error (a SyntaxError)
+        raise ConfigError(f"distiller: cannot import {config.distiller!r} ({type(err).__name__}: {err}); check the "
+                          "module is on PYTHONPATH, imports cleanly, and the class is spelled as in its file") from None
     if not (isinstance(found, type) and issubclass(found, Distiller)):
         raise ConfigError(f"distiller: {config.distiller!r} is not a subclass of distill_kit.Distiller; subclass it "
                           "and override the hooks you need (make_batch, teacher_forward, student_forward, "
@@ -230,15 +201,15 @@ def distiller_class(config: RunConfig) -> type[Distiller]:
     return found
 
 
-def build_distiller(config: RunConfig, specs: list[StudentSpec], vocab_map: Any = None) -> Distiller:
-    """Exactly what a Python user would write: the run's students and teachers, one Distiller (or the run's
-    subclass of it)."""
+def build_distiller(config: RunConfig, specs: list[StudentSpec], plan: Plan | None, data: DataFacts,
+                    vocab_map: Any = None) -> Distiller:
+    """Exactly what a Python user would write (the run's students and teachers, one Distiller or the run's subclass
+    of it), built from the plan the start-up checks made."""
     teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
     return distiller_class(config)(
         students=specs, teachers=teachers, combine=config.combine, training=config.training,
-        student_ds_config=config.student_ds_config, student_ds_overrides=config.student_ds_overrides,
-        teacher_ds_config=config.teacher_ds_config, teacher_ds_overrides=config.teacher_ds_overrides,
-        vocab_map=vocab_map)
+        deepspeed=run_config.deepspeed_settings(config), data=data, output_dir=config.output_dir,
+        tokenizer=config.tokenizer or teachers[0].model, vocab_map=vocab_map, plan=plan)
 
 
 def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, Any]]:
@@ -248,31 +219,14 @@ def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, A
              "weight": spec.weight, "sha256": identities[name]} for name, spec in distiller.teachers.specs.items()]
 
 
-def train_students(config: RunConfig, students: Distiller, train_loader, eval_loader,
-                   log: RunLog) -> bool:
-    """Train to ``max_steps`` on the same batches, evaluating every ``eval.every`` steps and at the end.
-
-    Returns False when SIGTERM/SIGINT stopped the run: during training the step finishes and every rank saves
-    (inside ``train``); during an evaluation, every rank saves right after it. ``--resume`` continues either.
-    A resumed run trains only the rest and evaluates only where no evaluation was logged yet.
-    """
-    every = config.eval.every or config.training.max_steps
-    evaluated = {e["step"] for e in log.evaluations()}
-    students.on_record = log.step
-    with preemption.StopRequest(students.device) as stop:
-        for until in sorted({*range(every, config.training.max_steps, every), config.training.max_steps}):
-            if until < students.step:
-                continue
-            students.train(train_loader, until=until)
-            if students.stopped_by:
-                return False
-            if until not in evaluated:
-                log.evaluation(students.step, students.evaluate(eval_loader, config.eval.max_batches))
-            if stop.agreed():
-                students.save()
-                students.stopped_by = stop.received or "a signal on another rank"
-                return False
-    return True
+def train_students(config: RunConfig, students: Distiller, train_loader, eval_loader, log: RunLog) -> bool:
+    """Train to ``max_steps``, evaluating inside the loop every ``eval.every`` steps and after the last (a resumed
+    run only where no evaluation was kept). False when SIGTERM/SIGINT stopped it (every rank saved first)."""
+    students.on_record, students.on_evaluation = log.step, lambda result: log.evaluation(result["step"], {
+        k: v for k, v in result.items() if k != "step"})
+    students.train(train_loader, heldout=eval_loader, eval_every=config.eval.every,
+                   eval_batches=config.eval.max_batches)
+    return students.stopped_by is None
 
 
 @contextmanager
@@ -317,38 +271,32 @@ def _claim(out: Path, config: RunConfig, identity: dict[str, Any], resume: bool,
 
 
 def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any] | None:
+    """The job in named phases: plan (every check, before any write), prepare data, claim the folder, build
+    students, build the Distiller (teachers, then students' engines), train (evaluation inside the loop), report."""
     started = time.time()
     distributed.init()
     config = with_output_dir(config, resume)
-    if config.task.name is not None and config.teachers is not None:
-        raise ConfigError(f"task.name: the {config.task.name} benchmark compares recipes of one teacher; give it "
-                          "teacher: instead of teachers:")
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
-        from distill_kit.tasks import compare
-        validate.validate(config, resume, run_identity(config), checks=validate.TASK_CHECKS)
-        return compare.run(config, prepare_student, resume)
+        return run_task(config, resume)
     out = Path(config.output_dir)
     distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
-    validate.validate(config, resume, identity)
-    config = with_sample_limit(run_config.lead_teacher(config))  # with teachers, the first is "the teacher"
+    data = run_config.data_facts(config)  # "is this chat data?": decided here, once
+    plan = validate.validate(config, resume, identity, data)
+    config = run_config.lead_teacher(config)  # with teachers, the first is "the teacher"
+    checkpoints = plan.checkpoint_dir if plan is not None else checkpoint_folder(config.training, out)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, checkpoint_dir=checkpoints))
     with _input_errors("data"):
-        data_config = prepare_data(config)
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
-        own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
-        if own is not None:
-            tokenizer = own.tokenizer
-        train_loader, eval_loader = build_loaders(config, data_config, tokenizer, own and own.tokenize)
+        data_config, tokenizer, own, train_loader, eval_loader = prepare_loaders(config, data)
     _claim(out, config, identity, resume, held)
     if distributed.is_main() and own is not None:
         own.save(out)
     distributed.barrier()
-    cut = cut_students(config, train_loader)
-    specs = [prepare_student(s, config, tokenizer, cut.pop(s.name, None)) for s in config.students]
+    specs = build_students(config, plan, tokenizer, train_loader)
     with _input_errors("DeepSpeed config"):
-        students = build_distiller(config, specs, own and own.vocab_map)
+        students = build_distiller(config, specs, plan, data, own and own.vocab_map)
     if resume and students.resume() is None:  # validate found one; it went away since
-        raise ConfigError(checkpoint.nothing_to_resume(config.training.checkpoint_dir, []))
+        raise ConfigError(checkpoint.nothing_to_resume(checkpoints, []))
     log = RunLog(out, resumed_at=students.step if resume else None, report_to=config.report_to, params=params)
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
@@ -357,6 +305,43 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
             print(f"stopped by {students.stopped_by} at step {students.step}; checkpoint saved. "
                   f"Continue with: --output_dir {out} --resume")
         return None
+    return write_report(config, students, out, tokenizer, params, log, data_config, started)
+
+
+def run_task(config: RunConfig, resume: bool) -> dict[str, Any]:
+    """A task benchmark (``task.name``): its recipes in turn, one table (``tasks/compare.py``)."""
+    if config.teachers is not None:
+        raise ConfigError(f"task.name: the {config.task.name} benchmark compares recipes of one teacher; give it "
+                          "teacher: instead of teachers:")
+    from distill_kit.tasks import compare
+    validate.validate(config, resume, run_identity(config), run_config.data_facts(config),
+                      checks=validate.TASK_CHECKS)
+    return compare.run(config, prepare_student, resume)
+
+
+def prepare_loaders(config: RunConfig, data: DataFacts):
+    """The data phase: the data files (the embedded corpus written once), the tokenizer (the students' own across
+    tokenizers), and this rank's training and held-out loaders."""
+    data_config = prepare_data(config)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
+    if own is not None:
+        tokenizer = own.tokenizer
+    train_loader, eval_loader = build_loaders(config, data_config, tokenizer, data, own and own.tokenize)
+    return data_config, tokenizer, own, train_loader, eval_loader
+
+
+def build_students(config: RunConfig, plan: Plan | None, tokenizer: PreTrainedTokenizerBase,
+                   train_loader) -> list[StudentSpec]:
+    """The students phase: each student's model, given, built fresh from the plan's config, or cut from the teacher
+    (saved under ``<output_dir>/init`` so that a resume reuses it)."""
+    cut = cut_students(config, plan, train_loader) if plan is not None else {}
+    return [prepare_student(s, config, tokenizer, cut.pop(s.name, None), plan) for s in config.students]
+
+
+def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: Any, params: dict[str, Any],
+                 log: RunLog, data_config: Any, started: float) -> dict[str, Any] | None:
+    """The report phase: each student exported, ``report.json`` and its table; the summary on every rank."""
     students.export(out / "students", tokenizer)
     teachers = teacher_records(config, students)  # on every rank: a ZeRO-3 teacher's hash gathers its shards
     summary = None

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from distill_kit.config import (
+    DeepSpeedSettings,
     EvalConfig,
     FromTeacherConfig,
     StudentSpec,
@@ -286,6 +287,23 @@ def load(config_file: str | Path | None = None, overrides: Sequence[str] = ()) -
     if given.get("teachers") is not None and "teacher" not in given:
         tree["teacher"] = None  # the default teacher gives way to the user's teachers; both given is an error
     return build(RunConfig, tree)
+
+
+def deepspeed_settings(config: RunConfig) -> DeepSpeedSettings:
+    """The run's four DeepSpeed keys as the one value the plan takes."""
+    return DeepSpeedSettings(config.student_ds_config, config.teacher_ds_config, dict(config.student_ds_overrides),
+                             dict(config.teacher_ds_overrides))
+
+
+def data_facts(config: RunConfig) -> Any:
+    """What the plan needs of the data, decided once per run: chat records or text (``chat.detect_format``), rows,
+    packing, and the teacher's rows across tokenizers."""
+    from distill_kit.data import chat
+    from distill_kit.training.plan import DataFacts
+
+    kind = "text" if config.data.train == STDLIB_CORPUS else chat.detect_format(config.data)
+    return DataFacts(kind=kind, block_size=config.data.block_size, packing=config.data.packing is True and
+                     kind == "chat", teacher_block_size=config.teacher_block_size if config.student_tokenizer else None)
 
 
 def lead_teacher(config: RunConfig) -> RunConfig:

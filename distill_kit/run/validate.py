@@ -10,8 +10,6 @@ something new up front, write one and append it to :data:`CHECKS`.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import inspect
 import json
 import tempfile
@@ -21,21 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from distill_kit.config import StudentSpec, TeacherSpec
+from distill_kit.config import TeacherSpec
 from distill_kit.config import specs as config_specs
 from distill_kit.data import blocks, chat
-from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.errors import ConfigError
 from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
-from distill_kit.students import from_teacher
+from distill_kit.teachers.combine import check_weights
+from distill_kit.teachers.kinds import kind_of
+from distill_kit.teachers.tokenizers import tokenizer_problems
 from distill_kit.training import checkpoint
 from distill_kit.training.on_policy import end_token
-from distill_kit.training.on_policy import positions as on_policy_positions
-from distill_kit.training.plan import make_plan
-from distill_kit.training.teachers import check_weights, tokenizer_problems
+from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, make_plan
 from losses import registry as loss_registry
 
 # Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
@@ -46,65 +44,28 @@ WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass
 class Start:
-    """What the checks look at: the run config, whether it resumes, and the models' configs read once."""
+    """What the checks look at: the run config, whether it resumes, and the run's plan (``training/plan.py``),
+    made once from the specs: every model's config is read there, once, and the checks read the plan."""
 
     config: RunConfig
     resume: bool
     identity: dict[str, Any]
     """What must not change across a resume (``cli.run_identity``)."""
-    _models: dict[str, PretrainedConfig | None] = field(default_factory=dict)
-
-    def model_config(self, kind: str, source: str, init: dict[str, Any] | None = None) -> PretrainedConfig | None:
-        """``source``'s config with ``init`` applied; None when it cannot be read (``check_models`` says why)."""
-        if kind not in self._models:
-            try:
-                config = AutoConfig.from_pretrained(source)
-                config.update(dict(init or {}))
-            except Exception:  # noqa: BLE001 - check_models reports the cause
-                config = None
-            self._models[kind] = config
-        return self._models[kind]
+    plan: Plan | None = None
+    """None until ``check_plan`` made it, or when it could not be made (its problems are reported)."""
+    data: DataFacts = field(default_factory=DataFacts)
 
     def students(self) -> dict[str, PretrainedConfig | None]:
-        """Each student's model config: its own, or the teacher's with its ``init`` overrides."""
-        teacher = self.model_config("teacher", self.config.teacher)
-        configs = {}
-        for s in self.config.students:
-            init = None
-            if s.model is None:
-                try:
-                    init = student_init(s, teacher) if teacher is not None else s.init
-                except ConfigError:  # check_student_init reports it
-                    init = s.init
-            configs[s.name] = self.model_config(f"students[{s.name}]", s.model or self.config.teacher, init)
-        return configs
+        """Each student's model config, as the plan derived it (none without a plan)."""
+        return dict(self.plan.student_configs) if self.plan is not None else {}
+
+    def checkpoint_dir(self) -> str:
+        return checkpoint_folder(self.config.training, self.config.output_dir)
 
 
 def _local(path: str) -> bool:
     """Hub names are ``org/name``; anything else with a path separator or dot-prefix is a local path."""
     return path.startswith((".", "/", "~")) or path.count("/") != 1 or Path(path).exists()
-
-
-def student_init(student: StudentSpec, teacher_config: PretrainedConfig) -> dict[str, Any]:
-    """``init`` with ``head_dim`` derived when it changes the width or the heads but not ``head_dim``: the
-    teacher's would otherwise stay (``hidden_size: 32`` with 2 heads would build 128-wide attention)."""
-    init = dict(student.init)
-    head_dim = getattr(teacher_config, "head_dim", None)
-    if head_dim is None or "head_dim" in init:
-        return init
-    hidden, heads = teacher_config.hidden_size, teacher_config.num_attention_heads
-    new = copy.deepcopy(teacher_config)
-    new.update(init)
-    if (new.hidden_size, new.num_attention_heads) == (hidden, heads):
-        return init
-    where = f"students[{student.name}].init"
-    if head_dim * heads != hidden:
-        raise ConfigError(f"{where} changes hidden_size/num_attention_heads, and the teacher's head_dim ({head_dim}) "
-                          f"is not its hidden_size/num_attention_heads ({hidden}/{heads}); give head_dim too")
-    if new.hidden_size % new.num_attention_heads:
-        raise ConfigError(f"{where}: hidden_size {new.hidden_size} is not divisible by num_attention_heads "
-                          f"{new.num_attention_heads}; change one of them, or give head_dim")
-    return init | {"head_dim": new.hidden_size // new.num_attention_heads}
 
 
 def check_output_dir(start: Start) -> list[str]:
@@ -116,12 +77,12 @@ def check_output_dir(start: Start) -> list[str]:
         return [busy]
     try:
         output_dir.check(config.output_dir, start.identity, resume=start.resume,
-                         checkpoint_dir=config.training.checkpoint_dir, record=False)
+                         checkpoint_dir=start.checkpoint_dir(), record=False)
     except ValueError as err:
         return [str(err)]
     if not start.resume:
         return []
-    directory = config.training.checkpoint_dir
+    directory = start.checkpoint_dir()
     found, skipped = checkpoint.find_latest(directory)
     if found is None:
         return [f"--resume: {checkpoint.nothing_to_resume(directory, skipped)}"]
@@ -145,7 +106,9 @@ def check_models(start: Start) -> list[str]:
     """Teacher, students and tokenizer: each local folder exists and holds what it must."""
     config = start.config
     problems = []
-    sources = [("teacher", config.teacher)] + [(f"students[{s.name}].model", s.model) for s in config.students]
+    first = TeacherSpec(name="teacher", model=config.teacher)
+    sources = [("teacher", config.teacher)] if kind_of(first) == "engine" else []
+    sources += [(f"students[{s.name}].model", s.model) for s in config.students]
     for kind, path in sources:
         if path is None or not _local(path):
             continue
@@ -173,67 +136,26 @@ def check_student_tokenizers(start: Start) -> list[str]:
     return tokenizer_problems(("the run", config.tokenizer or config.teacher), students)
 
 
-def check_student_init(start: Start) -> list[str]:
-    """``init`` overrides name fields of the teacher's config, and the model they describe can be built."""
-    teacher = start.model_config("teacher", start.config.teacher)
-    if teacher is None:
-        return []
-    problems = []
-    for student in start.config.students:
-        if student.model is not None:
-            continue
-        unknown = [key for key in student.init if not hasattr(teacher, key)]
-        if unknown:
-            problems.append(f"students[{student.name}].init: {unknown} are not fields of the teacher's "
-                            f"{type(teacher).__name__}; e.g. num_hidden_layers, hidden_size")
-            continue
-        try:
-            student_init(student, teacher)
-        except ConfigError as err:
-            problems.append(str(err))
-            continue
-        try:
-            _parameters(start.students()[student.name])
-        except Exception as err:  # noqa: BLE001 - transformers raises many types for a shape it cannot build
-            problems.append(f"students[{student.name}].init {student.init}: the teacher's config with these "
-                            f"values does not build a model ({type(err).__name__}: {err})")
-    return problems
-
-
-def check_cuts(start: Start) -> list[str]:
-    """Every ``init_from_teacher`` checked against the teacher's config (architecture, layers, sizes)."""
-    teacher = start.model_config("teacher", start.config.teacher)
-    if teacher is None:
-        return []
-    problems = []
-    for student in start.config.students:
-        if student.init_from_teacher is not None:
-            try:
-                from_teacher.check(student.init_from_teacher, teacher)
-            except ValueError as err:
-                problems.append(f"students[{student.name}].init_from_teacher: {err}")
-    return problems
+def run_plan(config: RunConfig, data: DataFacts) -> Plan:
+    """The run's plan from its run config: exactly what the Distiller builds from (the CLI hands it over)."""
+    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
+    return make_plan(list(config.students), teachers, training=config.training, combine=config.combine,
+                     world_size=distributed.world_size(), deepspeed=run_config.deepspeed_settings(config), data=data,
+                     output_dir=config.output_dir, tokenizer=config.tokenizer or teachers[0].model, evaluate=True)
 
 
 def check_plan(start: Start) -> list[str]:
-    """The run's plan (``training/plan.py``), made from the models' configs exactly as the Distiller makes it from
-    their folders: each student's loss, every engine's DeepSpeed config (all problems at once), the run's shape,
-    kernels, vocabularies, LoRA. Models that cannot be read are ``check_models``' and ``check_student_init``'s."""
-    config = start.config
-    students = start.students()
-    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
-    teacher_configs = {t.name: start.model_config(f"teachers[{t.name}]", t.model) for t in teachers}
-    if any(c is None for c in [*students.values(), *teacher_configs.values()]) or config.student_tokenizer:
-        return []  # across tokenizers the losses need the vocabulary map: student_tokenizer.config_problems
+    """The run's plan (``training/plan.py``): every model's card and config, each student's loss, every engine's
+    DeepSpeed config, what each teacher can serve, tokenizers, positions, on-policy limits, kernels, LoRA: all its
+    problems at once. Across tokenizers the losses need the vocabulary map, made once the data is read
+    (``student_tokenizer.config_problems`` checks what can be checked before)."""
+    if start.config.student_tokenizer:
+        return []
     try:
-        make_plan([dataclasses.replace(s, model=students[s.name], init={}, init_from_teacher=None)
-                   for s in config.students],
-                  [dataclasses.replace(t, model=teacher_configs[t.name]) for t in teachers],
-                  training=config.training, combine=config.combine, world_size=distributed.world_size(),
-                  student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
-                  student_ds_overrides=config.student_ds_overrides, teacher_ds_overrides=config.teacher_ds_overrides)
-    except (ConfigError, deepspeed_config.DeepSpeedConfigError, ValueError, TypeError) as err:
-        return [str(err)]
+        start.plan = run_plan(start.config, start.data)
+    except (ConfigError, deepspeed_config.DeepSpeedConfigError) as err:
+        message = str(err)
+        return message.split("\n  - ")[1:] if message.split("\n")[0].endswith("problems:") else [message]
     return []
 
 
@@ -262,7 +184,7 @@ def check_packing(start: Start) -> list[str]:
 
 def check_checkpoint_disk(start: Start) -> list[str]:
     """The checkpoint folder can be written, and its disk has room for the checkpoints the run will keep."""
-    directory = Path(start.config.training.checkpoint_dir)
+    directory = Path(start.checkpoint_dir())
     existing = checkpoint.nearest_existing(directory)
     if not existing.is_dir():
         return [f"training.checkpoint_dir {str(directory)!r} cannot be created: {existing} is not a folder"]
@@ -285,11 +207,6 @@ def check_checkpoint_disk(start: Start) -> list[str]:
                 f"and optimizer states; {kept} kept, and one more while a new one is written). Free space, lower "
                 "training.keep_checkpoints, or choose another training.checkpoint_dir"]
     return []
-
-
-def _hidden_size(config: PretrainedConfig) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "hidden_size", None) or getattr(text, "n_embd", None)
 
 
 def _parameters(config: PretrainedConfig) -> int:
@@ -364,7 +281,7 @@ def check_on_policy(start: Start) -> list[str]:
         return []
     problems = []
     where = f"training.on_policy.fraction={on_policy.fraction}"
-    if config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":
+    if config.data.train != STDLIB_CORPUS and start.data.kind != "chat":
         problems.append(f"{where} on text data (data.format: text): a sample answers a prompt, and packed text has "
                         "none. Give chat data (records with messages, or prompt/completion), or set "
                         "training.on_policy.fraction: 0")
@@ -372,17 +289,21 @@ def check_on_policy(start: Start) -> list[str]:
         problems.append(f"training.on_policy.sampler: teacher samples from the first teacher "
                         f"({config.teachers[0].name}), whose weight is 0: the student would learn from samples of a "
                         "teacher its loss ignores. List a teacher with weight > 0 first")
-    sampling_source = config.teacher if on_policy.sampler == "teacher" else (
-        config.students[0].model or config.teacher)
-    sampling = (start.model_config("teacher", config.teacher) if on_policy.sampler == "teacher"
-                else start.students().get(config.students[0].name))
-    vocabularies = [c.vocab_size for c in [start.model_config("teacher", config.teacher), *start.students().values()]
-                    if c is not None and getattr(c, "vocab_size", None)]
+    plan = start.plan
+    if plan is None:
+        return problems
+    teacher_card = next(iter(plan.cards.values()), None)
+    student = plan.student_configs.get(config.students[0].name)
+    sampling_source = config.teacher if on_policy.sampler == "teacher" else (config.students[0].model or config.teacher)
+    vocabularies = [size for size in [teacher_card and teacher_card.vocab_size,
+                                      *(getattr(c, "vocab_size", None) for c in plan.student_configs.values())] if size]
     vocab = min(vocabularies) if vocabularies else None
     eos = on_policy.eos_token_id
     eos_key = "training.on_policy.eos_token_id"
-    if eos is None and sampling is not None:
-        eos, eos_key = _end_token(sampling_source, sampling), f"the end token of {sampling_source!r} (eos_token_id)"
+    if eos is None:
+        eos = (teacher_card.eos_token_id if on_policy.sampler == "teacher" and teacher_card else
+               end_token(models.generation_config(config.students[0].model), student))
+        eos_key = f"the end token of {sampling_source!r} (eos_token_id)"
         if eos is None:
             problems.append(f"training.on_policy: {sampling_source!r} has no end token (no eos_token_id in its config "
                             "or generation config), so samples would never end; set training.on_policy.eos_token_id "
@@ -392,17 +313,6 @@ def check_on_policy(start: Start) -> list[str]:
             problems.append(f"{key}: {value} is outside the vocabulary (ids 0..{vocab - 1} in every model of the "
                             "run); give a token id of the tokenizer")
     return problems
-
-
-def _end_token(source: str, config: PretrainedConfig) -> int | None:
-    """The sampler's end token (``on_policy.end_token``), read from the model's folder."""
-    generation = None
-    if (Path(source) / "generation_config.json").is_file():
-        try:
-            generation = GenerationConfig.from_pretrained(source)
-        except Exception:  # noqa: BLE001 - an unreadable generation config: the model config's end token
-            pass
-    return end_token(generation, config)
 
 
 def check_data_format(start: Start) -> list[str]:
@@ -418,41 +328,11 @@ def check_data_format(start: Start) -> list[str]:
         problems.append(f"data.format: chat, but data.train {text_files[0]!r} is plain text (a .txt file has no "
                         "records): give .jsonl/.json/.parquet records with messages (or prompt/completion), or set "
                         "data.format: text")
-    elif config.student_tokenizer is not None and chat.detect_format(config.data) == "chat":
+    elif config.student_tokenizer is not None and start.data.kind == "chat":
         problems.append("student_tokenizer works with text data only: chat data across tokenizers (a template per "
                         "tokenizer, aligned answers) is not supported yet. Drop student_tokenizer, or give text data "
                         "(data.format: text)")
     return problems
-
-
-def check_positions(start: Start) -> list[str]:
-    """Every row a model reads fits its positions (``max_position_embeddings``, read from its config; no weights
-    loaded): ``data.block_size`` for the teacher(s) and the students, ``teacher_block_size`` for a teacher of
-    another tokenizer. A longer row is scored past what the model was trained on, or fails on an index."""
-    config, problems = start.config, []
-    teacher_rows = ("teacher_block_size", config.teacher_block_size) if (
-        config.student_tokenizer is not None and config.teacher_block_size is not None) else (
-        "data.block_size", config.data.block_size)
-    models: list[tuple[str, PretrainedConfig | None, tuple[str, int]]] = [
-        ("teacher", start.model_config("teacher", config.teacher), teacher_rows)]
-    models += [(f"students[{name}]", c, ("data.block_size", config.data.block_size))
-               for name, c in start.students().items()]
-    for name, model, (key, rows) in models:
-        limit = on_policy_positions(model)
-        if limit is not None and rows > limit:
-            problems.append(f"{key}: {rows} tokens per row, but {name} reads at most {limit} positions "
-                            f"(max_position_embeddings in its config): set {key} to {limit} or less")
-    return problems
-
-
-def row_limit(config: RunConfig) -> int | None:
-    """The fewest positions among the run's models (teachers and students, from their configs): the longest row
-    an on-policy sample may make (``training.on_policy.max_length`` when it is 0)."""
-    start = Start(run_config.lead_teacher(config), False, {})
-    configs = [start.model_config("teacher", start.config.teacher), *start.students().values()]
-    configs += [_read_config(t.model) for t in config.teachers or ()][1:]
-    limits = [limit for c in configs if (limit := on_policy_positions(c)) is not None]
-    return min(limits) if limits else None
 
 
 def check_peft_students(start: Start) -> list[str]:
@@ -469,14 +349,13 @@ def check_peft_students(start: Start) -> list[str]:
 
 
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_output_dir, check_models, check_student_tokenizers, check_student_init, check_cuts,
-                       check_data, check_packing, check_data_format, check_students, check_on_policy, check_positions,
-                       check_peft_students, check_plan, check_checkpoint_disk,
+CHECKS: list[Check] = [check_plan, check_output_dir, check_models, check_student_tokenizers, check_data, check_packing,
+                       check_data_format, check_students, check_on_policy, check_peft_students, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_trackers]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
-def check_teachers(config: RunConfig) -> list[str]:
+def check_teachers(config: RunConfig, data: DataFacts) -> list[str]:
     """``teacher`` or ``teachers`` (not both, not neither); with ``teachers``: well-formed entries (names, models,
     weights), one tokenizer for all, each teacher's folder and DeepSpeed config, and a loss that
     ``combine`` can combine. Reads the config as given (``load`` leaves ``teacher`` out when ``teachers`` is given)."""
@@ -499,8 +378,8 @@ def check_teachers(config: RunConfig) -> list[str]:
         specs = config_specs(TeacherSpec, config.teachers, "teacher")
         check_weights(specs)
     except ValueError as err:
-        return [f"teachers: {err}"]
-    if config.combine == "route" and config.data.train != STDLIB_CORPUS and chat.detect_format(config.data) != "chat":
+        return [str(err) if str(err).startswith("teacher") else f"teachers: {err}"]
+    if config.combine == "route" and config.data.train != STDLIB_CORPUS and data.kind != "chat":
         problems.append("combine: route sends each chat conversation to the teacher its record names "
                         f"(data.teacher_field {config.data.teacher_field!r}), and data.train is text: give chat "
                         "records, or combine: sum")
@@ -511,68 +390,38 @@ def check_teachers(config: RunConfig) -> list[str]:
         problems.append("student_tokenizer with teachers: distilling across tokenizers (cross_tokenizer) takes one "
                         "teacher; drop student_tokenizer (every teacher then shares the students' tokenizer), or "
                         "distil from one teacher with teacher: and student_tokenizer")
-    sources = [(f"teachers[{t.name}].model", t.model) for t in config.teachers[1:]]  # the first is check_models'
-    for kind, path in sources:
+    sources = [(f"teachers[{t.name}].model", t.model) for t in specs[1:] if kind_of(t) == "engine"]  # the first:
+    for kind, path in sources:                                                                      # check_models
         if _local(path) and not (Path(path) / "config.json").is_file():
             problems.append(f"{kind}: {path!r} is not a save_pretrained directory (no config.json); give one, or a "
                             "hub name")
-    if problems:
-        return problems
-    problems += _teacher_tokenizers(config)
     return problems
 
 
-def _teacher_tokenizers(config: RunConfig) -> list[str]:
-    """Every teacher reads the run's tokenizer (``tokenizer``, or the first teacher's): the same vocabulary
-    (``teachers.tokenizer_problems``, the Python path's rule), and a model vocabulary no smaller than it."""
-    from transformers import AutoTokenizer
-
-    reference = config.tokenizer or config.teachers[0].model
-    try:
-        size = len(AutoTokenizer.from_pretrained(reference).get_vocab())
-    except Exception:  # noqa: BLE001 - check_models names a folder without a tokenizer
-        return []
-    problems = tokenizer_problems(("the run", reference), [(f"teachers[{t.name}]", t.model) for t in config.teachers])
-    for teacher in config.teachers:
-        vocabulary = getattr(_read_config(teacher.model), "vocab_size", None)
-        if vocabulary is not None and vocabulary < size:
-            problems.append(f"teachers[{teacher.name}]: its vocabulary ({vocabulary}) is smaller than the run's "
-                            f"tokenizer ({size} tokens): it cannot share the student's tokenizer. Use a teacher with "
-                            "the student's tokenizer")
-    return problems
-
-
-def _read_config(source: str) -> PretrainedConfig | None:
-    """A model's config, or None when it cannot be read (``check_models`` and ``check_teachers`` say why)."""
-    try:
-        return AutoConfig.from_pretrained(source)
-    except Exception:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
-        return None
-
-
-def _facts(config: PretrainedConfig) -> dict[str, int | None]:
-    """What a loss is sized by (``models.facts``), from a config already read."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {"hidden_size": _hidden_size(config),
-            "num_layers": getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)}
-
-
-TASK_CHECKS: list[Check] = [check_models, check_student_tokenizers, check_student_init, check_students, check_plan]
+TASK_CHECKS: list[Check] = [check_plan, check_models, check_student_tokenizers, check_students]
 """A task benchmark's (``task.name``): it writes its own data and report, so only the models and the plan."""
 
 
-def validate(config: RunConfig, resume: bool, identity: dict[str, Any], checks: list[Check] | None = None) -> None:
+def validate(config: RunConfig, resume: bool, identity: dict[str, Any], data: DataFacts,
+             checks: list[Check] | None = None) -> Plan | None:
     """Run every check (``checks``, default ``CHECKS``) on rank 0; raise one ConfigError listing every problem, on
-    every rank. Writes nothing.
+    every rank. Writes nothing. Returns the run's plan, on every rank (None across tokenizers: the Distiller makes
+    it once the vocabulary map exists).
 
     ``check_teachers`` reads the config as given; the other checks see the first of ``teachers`` as the teacher."""
     problems: list[str] = []
+    plan = None
+    lead = run_config.lead_teacher(config)
     if distributed.is_main():
-        problems = check_teachers(config)
-        start = Start(run_config.lead_teacher(config), resume, identity)
+        problems = check_teachers(config, data)
+        start = Start(lead, resume, identity, data=data)
         for check in (CHECKS if checks is None else checks) if start.config.teacher is not None else []:
             problems += check(start)
+        plan = start.plan
     problems = distributed.broadcast_object(problems)
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+    if not distributed.is_main() and not config.student_tokenizer:
+        plan = run_plan(lead, data)  # pure: every rank makes the same one
+    return plan

@@ -39,6 +39,7 @@ from distill_kit.data.blocks import DataConfig
 from distill_kit.distiller import Distiller
 from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError
+from distill_kit.run import run_config
 from distill_kit.run.run_config import RunConfig, to_dict
 from distill_kit.tasks import arithmetic
 from distill_kit.tasks.evaluate import exact_match
@@ -129,9 +130,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
                                        on_policy=on_policy or OnPolicyConfig())
         distiller = Distiller(start, config.teacher, loss=loss, training=training,
-                              student_ds_config=config.student_ds_config, teacher_ds_config=config.teacher_ds_config,
-                              student_ds_overrides=config.student_ds_overrides,
-                              teacher_ds_overrides=config.teacher_ds_overrides)
+                              deepspeed=run_config.deepspeed_settings(config))
         distiller.train(data[batches]())
         return distiller
 

@@ -56,6 +56,8 @@ class Trainer:
                                                   loss_scaling=self.training.dtype == "fp16")
         self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
         self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
+        self.evaluations: list[dict[str, Any]] = []  # every evaluation train() ran, by step; kept by checkpoints
+        self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
@@ -82,12 +84,17 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
-    def train(self, batches: Iterable[Batch], until: int | None = None) -> list[dict[str, float]]:
+    def train(self, batches: Iterable[Batch], until: int | None = None, *, heldout: Iterable[Batch] | None = None,
+              eval_every: int = 0, eval_batches: int | None = None) -> list[dict[str, float]]:
         """Run until optimizer step ``until`` (default ``training.max_steps``); one log record per step.
 
         ``batches`` yields this rank's micro-batches. Every rank must yield the same number (the ZeRO-3
         teacher's forward is a collective); a re-iterable (a DataLoader) is read again for more epochs.
-        Calling again with a later ``until`` continues where the last call stopped (evaluate in between).
+        Calling again with a later ``until`` continues where the last call stopped.
+
+        With ``heldout``, ``evaluate(heldout, eval_batches)`` runs inside the loop every ``eval_every`` steps and
+        after the last (``eval_every`` 0: after the last only), before that step's checkpoint, so a resumed run
+        never evaluates a step twice; each result is appended to ``evaluations`` and handed to ``on_evaluation``.
 
         Reliability (see ``checkpoint.py``, ``nonfinite.py``, ``preemption.py``): a checkpoint goes to
         ``training.checkpoint_dir`` every ``training.save_every`` steps, after the last step, and when SIGTERM or
@@ -135,6 +142,8 @@ class Trainer:
                         self.on_record(record)
                     if self.step % self.training.log_every == 0 and distributed.is_main():
                         logger.info("step %d: %s", self.step, record)
+                    if heldout is not None and _evaluates_at(self.step, eval_every, self.training.max_steps):
+                        self._evaluate_in_loop(heldout, eval_batches)
                     if self.training.save_every and self.step % self.training.save_every == 0:
                         self._save_if_configured()
                 if stop.agreed():
@@ -144,6 +153,18 @@ class Trainer:
         if self.stopped_by or self.step == self.training.max_steps:
             self._save_if_configured()
         return self.history[first:]
+
+    def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, Any]:
+        """Held-out figures of every model (the Distiller's: perplexities, agreement and KL with the teachers)."""
+        raise NotImplementedError
+
+    def _evaluate_in_loop(self, heldout: Iterable[Batch], max_batches: int | None) -> None:
+        if any(done["step"] == self.step for done in self.evaluations):
+            return
+        result = {"step": self.step, **self.evaluate(heldout, max_batches)}
+        self.evaluations.append(result)
+        if self.on_evaluation is not None:
+            self.on_evaluation(result)
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
@@ -160,7 +181,8 @@ class Trainer:
         loader = self._data[0] if self._data is not None else None
         path = checkpoint.save(
             directory, self._checkpointed_engines(), step=self.step,
-            trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict()},
+            trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict(),
+                           "evaluations": self.evaluations},
             rank_state={"rng": rng, "micro_batches_seen": self.micro_batches_seen,
                         "loader": loader.state_dict() if hasattr(loader, "state_dict") else None},
             teacher_sha256=self.teacher_sha256, keep_last=self.training.keep_checkpoints,
@@ -220,6 +242,7 @@ class Trainer:
         trainer_state, rank_state = checkpoint.load(path, self._checkpointed_engines(),
                                                     teacher_sha256=self.teacher_sha256)
         self.step, self.history = trainer_state["step"], trainer_state["history"]
+        self.evaluations = trainer_state.get("evaluations", [])
         self.nonfinite.load_state_dict(trainer_state["nonfinite"])
         self.micro_batches_seen = rank_state["micro_batches_seen"]
         self._resumed_position = {"micro_batches_seen": self.micro_batches_seen, "loader": rank_state["loader"]}
@@ -266,6 +289,10 @@ def loss_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Te
     local = sum(valid_positions(batch).sum() for batch in step_batches)
     total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
     return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
+
+
+def _evaluates_at(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
 
 
 def _key(name: str, part: str) -> str:

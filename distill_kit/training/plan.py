@@ -1,43 +1,67 @@
-"""A run's plan: everything its engines will use, derived from the specs without loading a single weight.
+"""A run's plan: every decision its parts will use, derived from the specs without loading a single weight.
 
-:func:`make_plan` is pure (it reads model configs, never weights) and is the one place where a run's shape is
-checked: the :class:`~distill_kit.distiller.Distiller` builds from the plan, and the CLI's start-up checks
-(``run/validate.py``) make the same plan from the models' configs to report its problems before anything is written.
-So no rule is written twice, and what was checked is what runs.
+:func:`make_plan` is pure (it reads model configs and store manifests, never weights) and is the one place where a
+run's shape is decided and checked: each teacher's card (``teachers/``), each student's model config, losses and
+DeepSpeed configs, which uses every teacher can serve, the tokenizer rule over every model, the rows every model
+reads, the on-policy sample limit and packing, whether the teachers hand the losses their head, and the checkpoint
+folder. The :class:`~distill_kit.distiller.Distiller` builds from it, from Python and from the CLI alike, and the
+CLI's start-up checks (``run/validate.py``) report its problems: every problem at once, before anything is written.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import deepspeed
-
-from distill_kit.config import StudentSpec, TeacherSpec, TrainingConfig, check_names
-from distill_kit.engines import fp8, kernels, models, peft_student
-from distill_kit.engines.deepspeed_config import FrozenConfig, TrainedConfig, prepare, zero_stage
+from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, check_names
+from distill_kit.engines import fp8, head, kernels, models, peft_student
+from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
-from distill_kit.training.teachers import Combine, TeacherEnsembleLoss, check_tokenizers, check_weights
+from distill_kit.students import from_teacher
+from distill_kit.teachers import HEAD, HIDDEN_STATES, TeacherCard, kinds
+from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
+from distill_kit.teachers.tokenizers import tokenizer_problems
+from distill_kit.training.on_policy import positions
 from losses import DistillationLoss, build_loss
 
-DeepSpeedConfig = str | Path | Mapping[str, Any]
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What a plan needs of the data, decided once by whoever reads it (the CLI's data phase; Python: say it)."""
+
+    kind: Literal["text", "chat"] = "text"
+    """Chat records (prompts to answer, assistant-only loss) or text blocks: ``chat.detect_format``, called once."""
+    block_size: int | None = None
+    """Tokens per row every student reads (and every teacher, unless ``teacher_block_size``)."""
+    packing: bool = False
+    """``data.packing: true`` on chat data: conversations packed into rows of ``block_size``."""
+    teacher_block_size: int | None = None
+    """Teacher rows when the teacher has another tokenizer (paired blocks); None: ``block_size``."""
 
 
 @dataclass
 class Plan:
-    """What a run will build: its models, each student's loss, and each engine's resolved DeepSpeed config."""
+    """What a run will build, and every decision derived on the way."""
 
     students: list[StudentSpec]
     teachers: list[TeacherSpec]
     training: TrainingConfig
+    """The run's settings with what the plan derived filled in: ``on_policy.max_length`` and ``pack_to``, and
+    ``checkpoint_dir`` (``<output_dir>/checkpoints`` when an output folder is given)."""
+    cards: dict[str, TeacherCard]
+    """Each teacher's card (``teachers/base.py``), by name: what it is and what it can return."""
+    student_configs: dict[str, Any]
+    """Each student's model config (its own, or the lead teacher's with ``init`` / ``init_from_teacher``)."""
     losses: dict[str, DistillationLoss]
     """Each student's loss, sized by its model and its teachers' (several teachers: a ``TeacherEnsembleLoss``)."""
     student_ds_configs: dict[str, dict[str, Any]]
     """Each student's DeepSpeed config, every "auto" filled from the run, by student name."""
     teacher_ds_configs: dict[str, dict[str, Any]]
-    """Each teacher's, by teacher name."""
+    """Each teacher's, by teacher name (the engine's; every kind gets one, used only by those that build engines)."""
     teacher_vocab_size: int | None
     """The smallest teacher vocabulary (None across tokenizers or without a teacher): no student's may exceed it,
     and routed rows are compared on it (a teacher's padded vocabulary is cut to it)."""
@@ -45,11 +69,23 @@ class Plan:
     """Each LoRA student's ``peft.PeftConfig``, by name (``engines/peft_student.py``)."""
     combine: Combine = "sum"
     """How several teachers teach: a sum of losses, one loss against their mixture, or each row its own (route)."""
+    head_at_loss: dict[str, bool] = field(default_factory=dict)
+    """Each teacher hands the losses its final hidden states and head instead of its logits (``HEAD``)."""
+    notes: list[str] = field(default_factory=list)
+    """What the plan decided that a user may want to read (logged once): a sample limit, why a head stays."""
+    data: DataFacts = field(default_factory=DataFacts)
+    keys: dict[str, str] = field(default_factory=dict)
+    """Each student's key in records and checkpoints: the one-line form's is empty (records ``loss``, folder
+    ``deepspeed``), a named student's is its name (``<name>/loss``, folder ``<name>``)."""
 
     @property
     def need_attentions(self) -> bool:
         """A loss reads attention maps: the models load with eager attention (fused kernels return none)."""
         return any(loss.needs_attentions for loss in self.losses.values())
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return self.training.checkpoint_dir
 
 
 def make_plan(
@@ -59,114 +95,364 @@ def make_plan(
     training: TrainingConfig,
     world_size: int,
     combine: Combine = "sum",
-    student_ds_config: DeepSpeedConfig,
-    teacher_ds_config: DeepSpeedConfig,
-    student_ds_overrides: Mapping[str, Any] | None = None,
-    teacher_ds_overrides: Mapping[str, Any] | None = None,
+    deepspeed: DeepSpeedSettings | None = None,
+    data: DataFacts | None = None,
+    output_dir: str | Path | None = None,
+    tokenizer: str | None = None,
+    evaluate: bool = False,
     vocab_map: Any = None,
     alone: bool = False,
 ) -> Plan:
-    """The plan of a run of ``students`` and ``teachers`` (specs whose ``model`` is a path, a hub name, a built
-    module or a ``PretrainedConfig``); a ``ConfigError`` or ``DeepSpeedConfigError`` names what cannot run and its fix.
+    """The plan of a run of ``students`` and ``teachers``; one ``ConfigError`` listing every problem, each with its fix.
 
-    ``alone``: the one-line case, whose messages say "student" and "teacher" rather than each model's name.
+    ``data``: what the data is (its kind, rows, packing). ``output_dir``: the run's folder; checkpoints go to
+    ``<output_dir>/checkpoints`` unless ``training.checkpoint_dir`` says where. ``tokenizer``: the run's tokenizer
+    (a folder or hub name) every model's is compared with; None: the first student's, else the first teacher's.
+    ``evaluate``: the run evaluates its students against the teachers (the CLI's does). ``alone``: the one-line
+    case, whose messages say "student" and "teacher" and whose records and checkpoint folder have the empty key.
     """
-    check_shape(students, teachers, training, vocab_map)
-    if combine not in ("sum", "mixture", "route"):
-        raise ConfigError(f"combine: {combine!r} is not one of sum, mixture, route")
-    if combine == "route" and training.on_policy.fraction > 0 and training.on_policy.sampler == "teacher":
-        raise ConfigError("combine: route with training.on_policy.sampler: teacher: each row would need its own "
-                          "teacher's sample; use sampler: student (each sample is scored by its row's teacher)")
-    student_facts = {s.name: models.facts(s.model) for s in students}
-    teacher_facts = {t.name: models.facts(t.model) for t in teachers}
-    losses = {s.name: student_loss(s, student_facts[s.name], teachers, teacher_facts, combine, vocab_map)
-              for s in students}
+    deepspeed = deepspeed or DeepSpeedSettings()
+    data = data or DataFacts()
+    problems: list[str] = []
+    check_shape(students, teachers, training, combine, vocab_map)
+    cards = _cards(teachers, problems)
+    lead = next(iter(cards.values()), None)
+    student_configs = {s.name: config for s in students if (config := _student_config(s, lead, problems)) is not None}
+    if len(cards) < len(teachers) or len(student_configs) < len(students):
+        _raise(problems)  # the rest is sized by the models' configs
+    problems += capability_problems(students, teachers, cards, training, combine, evaluate)
+    losses = {}
+    for s in students:
+        try:
+            losses[s.name] = student_loss(s, models.facts(student_configs[s.name]), teachers, cards, combine, vocab_map)
+        except ConfigError as err:
+            problems.append(str(err))
+    problems += _loss_needs(losses, teachers, cards)
     if not teachers:
         needing = sorted(name for name, loss in losses.items() if loss.needs_teacher)
         if needing:
-            raise ConfigError(f"students {needing}: their losses read a teacher's outputs, and this run has no "
-                              "teacher: use cross_entropy, mutual_kl or a weighted sum of them, or add a teacher")
-    student_configs, teacher_configs = prepare(
-        {s.name: TrainedConfig(s.ds_config or student_ds_config, s.training(training),
-                               student_facts[s.name]["hidden_size"], {**(student_ds_overrides or {}), **s.ds_overrides})
-         for s in students},
-        {t.name: FrozenConfig(t.ds_config or teacher_ds_config, teacher_facts[t.name]["hidden_size"],
-                              {**(teacher_ds_overrides or {}), **t.ds_overrides}) for t in teachers},
-        world_size=world_size,
-        labels={name: "student" if alone else f"student {name!r}" for name in student_facts}
-        | {name: "teacher" if len(teachers) == 1 else f"teacher {name!r}" for name in teacher_facts})
-    for spec in teachers:  # FP8 where it cannot run (the device, a layer, the size), before anything loads
-        if not isinstance(spec.model, deepspeed.DeepSpeedEngine):
-            fp8.check_teacher(training.teacher_precision, training.dtype, spec.model,
-                              "training.teacher_precision" if len(teachers) == 1 else
-                              f"training.teacher_precision (teacher {spec.name!r})")
-    for kind, specs in (("teacher", teachers), ("student", students)):
-        for spec in specs:
-            kernels.check_model_type(getattr(training, f"{kind}_kernels"), models.model_type(spec.model),
-                                     f"training.{kind}_kernels ({kind} {spec.name!r})")
-    # No student's vocabulary may exceed any teacher's (a teacher's padded one is cut by the losses); across
-    # tokenizers the vocabulary map relates them instead.
-    teacher_vocabs = [] if vocab_map is not None else [
-        size for spec in teachers if (size := getattr(models.model_config(spec.model), "vocab_size", None))]
-    teacher_vocab = min(teacher_vocabs, default=None)
+            problems.append(f"students {needing}: their losses read a teacher's outputs, and this run has no "
+                            "teacher: use cross_entropy, mutual_kl or a weighted sum of them, or add a teacher")
+    training, notes = _derived_training(training, students, student_configs, cards, data, combine, output_dir,
+                                        problems)
+    problems += _position_problems(student_configs, cards, data)
+    if vocab_map is None:
+        problems += _tokenizer_problems(students, teachers, cards, tokenizer)
+    try:
+        student_ds, teacher_ds = _deepspeed_configs(students, teachers, student_configs, cards, training, deepspeed,
+                                                    world_size, alone)
+    except DeepSpeedConfigError as err:
+        problems.append(str(err))
+        student_ds, teacher_ds = {}, {}
+    problems += _engine_problems(students, teachers, cards, student_configs, training)
+    teacher_vocab = None if vocab_map is not None else min(
+        (card.vocab_size for card in cards.values() if card.vocab_size), default=None)
     adapters = {}
     for spec in students:
-        check_vocabulary(getattr(models.model_config(spec.model), "vocab_size", None), teacher_vocab, spec.name)
-        if spec.peft is not None:
+        problems += vocabulary_problems(getattr(student_configs[spec.name], "vocab_size", None), teacher_vocab,
+                                        spec.name)
+        if spec.peft is not None and spec.name in student_ds:
             try:
-                adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_configs[spec.name]))
-                peft_student.check_targets(adapters[spec.name], models.model_config(spec.model))
+                adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_ds[spec.name]))
+                peft_student.check_targets(adapters[spec.name], student_configs[spec.name])
             except (ImportError, TypeError, ValueError) as err:
-                raise ConfigError(f"students[{spec.name}].peft: {err}") from None
-    return Plan(list(students), list(teachers), training, losses, student_configs, teacher_configs, teacher_vocab,
-                adapters, combine)
+                problems.append(f"students[{spec.name}].peft: {err}")
+    _raise(problems)
+    head_at_loss = {}
+    for spec in teachers:
+        reason = why_not_head_at_loss(cards[spec.name], losses.values(), training, combine)
+        head_at_loss[spec.name] = reason is None
+        if reason and HEAD in cards[spec.name].outputs and training.teacher_head_at_loss:
+            notes.append(f"teacher {spec.name!r}: full logits materialised: {reason}")
+    keys = {s.name: "" if alone else s.name for s in students}
+    return Plan(list(students), list(teachers), training, cards, student_configs, losses, student_ds, teacher_ds,
+                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys)
 
 
-def check_vocabulary(student_vocab: int | None, teacher_vocab: int | None, name: str) -> None:
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+
+
+def _cards(teachers: Sequence[TeacherSpec], problems: list[str]) -> dict[str, TeacherCard]:
+    cards = {}
+    for spec in teachers:
+        try:
+            cards[spec.name] = kinds.describe(spec)
+        except ConfigError as err:
+            problems.append(str(err))
+        except (OSError, ValueError) as err:  # a folder without a model, a config transformers cannot read
+            problems.append(f"teachers[{spec.name}].model: {err}")
+    return cards
+
+
+def _student_config(spec: StudentSpec, lead: TeacherCard | None, problems: list[str]) -> Any:
+    """A student's model config: its own (read once), or the lead teacher's with ``init`` or cut by
+    ``init_from_teacher``; None after recording why it cannot be had."""
+    where = f"students[{spec.name}]"
+    if spec.model is not None:
+        try:
+            return models.model_config(spec.model)
+        except (OSError, ValueError) as err:
+            problems.append(f"{where}.model: {err}")
+            return None
+    if lead is None or lead.config is None:
+        problems.append(f"{where} has no model: give each a model (a directory, a hub name or an nn.Module), or build "
+                        "it from a teacher with a model config (init, init_from_teacher)")
+        return None
+    try:
+        if spec.init_from_teacher is not None:
+            cut = spec.init_from_teacher
+            from_teacher.check(cut, lead.config)
+            text = lead.config.get_text_config()
+            return from_teacher.student_config(lead.config, from_teacher.kept_layers(cut, text.num_hidden_layers),
+                                               from_teacher.student_shape(cut, from_teacher.teacher_shape(lead.config)))
+        unknown = [key for key in spec.init if not hasattr(lead.config, key)]
+        if unknown:
+            problems.append(f"{where}.init: {unknown} are not fields of the teacher's {type(lead.config).__name__}; "
+                            "e.g. num_hidden_layers, hidden_size")
+            return None
+        config = copy.deepcopy(lead.config)
+        config.update(student_init(spec, lead.config))
+        return config
+    except (ConfigError, ValueError) as err:
+        problems.append(f"{where}.{'init_from_teacher' if spec.init_from_teacher else 'init'}: {err}"
+                        if not str(err).startswith(where) else str(err))
+        return None
+
+
+def student_init(student: StudentSpec, teacher_config: Any) -> dict[str, Any]:
+    """``init`` with ``head_dim`` derived when it changes the width or the heads but not ``head_dim``: the
+    teacher's would otherwise stay (``hidden_size: 32`` with 2 heads would build 128-wide attention)."""
+    init = dict(student.init)
+    head_dim = getattr(teacher_config, "head_dim", None)
+    if head_dim is None or "head_dim" in init:
+        return init
+    hidden, heads = teacher_config.hidden_size, teacher_config.num_attention_heads
+    new = copy.deepcopy(teacher_config)
+    new.update(init)
+    if (new.hidden_size, new.num_attention_heads) == (hidden, heads):
+        return init
+    where = f"students[{student.name}].init"
+    if head_dim * heads != hidden:
+        raise ConfigError(f"{where} changes hidden_size/num_attention_heads, and the teacher's head_dim ({head_dim}) "
+                          f"is not its hidden_size/num_attention_heads ({hidden}/{heads}); give head_dim too")
+    if new.hidden_size % new.num_attention_heads:
+        raise ConfigError(f"{where}: hidden_size {new.hidden_size} is not divisible by num_attention_heads "
+                          f"{new.num_attention_heads}; change one of them, or give head_dim")
+    return init | {"head_dim": new.hidden_size // new.num_attention_heads}
+
+
+def capability_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                        cards: Mapping[str, TeacherCard], training: TrainingConfig, combine: Combine,
+                        evaluate: bool) -> list[str]:
+    """Every use of a teacher its kind cannot serve, each naming the key and the fix."""
+    problems = []
+    sparse = [name for name, card in cards.items() if not card.dense]
+    if combine in ("mixture", "route") and sparse:
+        problems.append(f"combine: {combine} reads every teacher's full distribution, and {sparse} return top-k "
+                        f"targets ({', '.join(cards[n].kind for n in sparse)}): use combine: sum, or teachers that "
+                        "run in-process (kind: engine)")
+    on_policy = training.on_policy
+    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and teachers:
+        first = cards.get(teachers[0].name)
+        if first is not None and not first.can_generate:
+            problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({teachers[0].name!r}, a "
+                            f"{first.kind} teacher) cannot generate: use sampler: student, or list a teacher that "
+                            "runs in-process first")
+    if evaluate and sparse:
+        problems.append(f"evaluation compares the students with the teachers' full distributions (KL, top-1 "
+                        f"agreement), and {sparse} return top-k targets: evaluate against an in-process teacher, or "
+                        "train from Python and call evaluate() on the students' own perplexity (docs/teachers.md)")
+    return problems
+
+
+def _loss_needs(losses: Mapping[str, DistillationLoss], teachers: Sequence[TeacherSpec],
+                cards: Mapping[str, TeacherCard]) -> list[str]:
+    """Hidden-state and attention losses need teachers that return them."""
+    problems = []
+    for student, loss in losses.items():
+        for spec in teachers:
+            card = cards[spec.name]
+            for flag, output in (("needs_hidden_states", HIDDEN_STATES), ("needs_attentions", "attentions")):
+                if getattr(loss, flag) and output not in card.outputs:
+                    problems.append(f"students[{student}].loss reads the teacher's {output.replace('_', ' ')}, and "
+                                    f"teacher {spec.name!r} (a {card.kind} teacher) returns none: use a logit loss, "
+                                    "or a teacher that returns them (an in-process engine; a store captured with "
+                                    "--hidden-layers)")
+    return problems
+
+
+def _derived_training(training: TrainingConfig, students: Sequence[StudentSpec], student_configs: Mapping[str, Any],
+                      cards: Mapping[str, TeacherCard], data: DataFacts, combine: Combine,
+                      output_dir: str | Path | None, problems: list[str]) -> tuple[TrainingConfig, list[str]]:
+    """The run's settings with what follows from the models and the data filled in."""
+    notes = []
+    on_policy = training.on_policy
+    if on_policy.fraction > 0:
+        limits = {**{f"students[{n}]": positions(c) for n, c in student_configs.items()},
+                  **{f"teachers[{n}]": card.positions for n, card in cards.items()}}
+        limits = {name: limit for name, limit in limits.items() if limit is not None}
+        fewest = min(limits.values(), default=None)
+        if not on_policy.max_length and fewest is not None:
+            on_policy = dataclasses.replace(on_policy, max_length=fewest)
+            notes.append(f"on-policy rows (prompt + sample) are cut to {fewest} tokens: the fewest positions among "
+                         "the run's models")
+        elif fewest is not None and on_policy.max_length > fewest:
+            short = min(limits, key=limits.get)
+            problems.append(f"training.on_policy.max_length: {on_policy.max_length} tokens, but {short} reads at most "
+                            f"{fewest} positions (max_position_embeddings): set it to {fewest} or less, or 0 (the "
+                            "fewest positions among the run's models)")
+        if not on_policy.pack_to and data.packing and data.kind == "chat" and data.block_size:
+            on_policy = dataclasses.replace(on_policy, pack_to=data.block_size)
+            notes.append(f"data.packing: the sampled micro-batches are packed into rows of {data.block_size} tokens "
+                         "after sampling (training.on_policy.pack_to)")
+        if on_policy.pack_to and combine == "route":
+            problems.append("training.on_policy.pack_to with combine: route is not supported yet: a packed row would "
+                            "hold conversations of several teachers. Set pack_to: 0 (and data.packing: false), or "
+                            "combine: sum")
+    return dataclasses.replace(training, on_policy=on_policy,
+                               checkpoint_dir=checkpoint_folder(training, output_dir)), notes
+
+
+def checkpoint_folder(training: TrainingConfig, output_dir: str | Path | None) -> str | None:
+    """Where checkpoints go: ``training.checkpoint_dir``, else ``<output_dir>/checkpoints``, else nowhere."""
+    if training.checkpoint_dir is not None or output_dir is None:
+        return training.checkpoint_dir
+    return str(Path(output_dir) / "checkpoints")
+
+
+def _position_problems(student_configs: Mapping[str, Any], cards: Mapping[str, TeacherCard],
+                       data: DataFacts) -> list[str]:
+    """Every row a model reads fits its positions: ``data.block_size`` for the students and the teachers
+    (``teacher_block_size`` for a teacher of another tokenizer). A longer row is read past what the model was
+    trained on, or fails on an index."""
+    if data.block_size is None:
+        return []
+    teacher_rows = (("teacher_block_size", data.teacher_block_size) if data.teacher_block_size is not None
+                    else ("data.block_size", data.block_size))
+    rows = [(f"students[{n}]", positions(c), ("data.block_size", data.block_size)) for n, c in student_configs.items()]
+    rows += [(f"teachers[{n}]", card.positions, teacher_rows) for n, card in cards.items()]
+    return [f"{key}: {size} tokens per row, but {name} reads at most {limit} positions (max_position_embeddings "
+            f"in its config): set {key} to {limit} or less"
+            for name, limit, (key, size) in rows if limit is not None and size > limit]
+
+
+def _tokenizer_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                        cards: Mapping[str, TeacherCard], tokenizer: str | None) -> list[str]:
+    """Every student folder and teacher with a tokenizer has the run's vocabulary (logits are compared id by id)."""
+    others = [("the student" if len(students) == 1 else f"students[{s.name}].model", s.model)
+              for s in students if models.has_tokenizer(s.model)]
+    others += [(f"teachers[{t.name}]", cards[t.name].tokenizer) for t in teachers if cards[t.name].tokenizer]
+    if tokenizer is None:  # Python: the first student's, else the first teacher's
+        if not others:
+            return []
+        (label, tokenizer), others = others[0], others[1:]
+        return tokenizer_problems((label, tokenizer), others)
+    return tokenizer_problems(("the run", tokenizer), [(label, source) for label, source in others
+                                                       if str(source) != str(tokenizer)])
+
+
+def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                       student_configs: Mapping[str, Any], cards: Mapping[str, TeacherCard],
+                       training: TrainingConfig, deepspeed: DeepSpeedSettings, world_size: int,
+                       alone: bool) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Every engine's DeepSpeed config, each "auto" filled from the run; all problems at once."""
+    return prepare(
+        {s.name: TrainedConfig(s.ds_config or deepspeed.student, s.training(training),
+                               models.facts(student_configs[s.name])["hidden_size"],
+                               {**deepspeed.student_overrides, **s.ds_overrides}) for s in students},
+        {t.name: FrozenConfig(t.ds_config or deepspeed.teacher, cards[t.name].hidden_size,
+                              {**deepspeed.teacher_overrides, **t.ds_overrides}) for t in teachers},
+        world_size=world_size,
+        labels={s.name: "student" if alone else f"student {s.name!r}" for s in students}
+        | {t.name: "teacher" if len(teachers) == 1 else f"teacher {t.name!r}" for t in teachers})
+
+
+def _engine_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                     cards: Mapping[str, TeacherCard], student_configs: Mapping[str, Any],
+                     training: TrainingConfig) -> list[str]:
+    """FP8 where it cannot run (the device, a layer, the size) and kernels an architecture lacks."""
+    problems = []
+    for spec in teachers:
+        if cards[spec.name].kind == "engine" and type(spec.model).__name__ != "DeepSpeedEngine":
+            try:
+                source = spec.model if not isinstance(spec.model, str | Path) else cards[spec.name].config
+                fp8.check_teacher(training.teacher_precision, training.dtype, source,
+                                  "training.teacher_precision" if len(teachers) == 1 else
+                                  f"training.teacher_precision (teacher {spec.name!r})")
+            except ConfigError as err:
+                problems.append(str(err))
+    kinds_of = [("teacher", spec, cards[spec.name].model_type) for spec in teachers]
+    kinds_of += [("student", spec, getattr(student_configs[spec.name], "model_type", None)) for spec in students]
+    for kind, spec, model_type in kinds_of:
+        try:
+            kernels.check_model_type(getattr(training, f"{kind}_kernels"), model_type,
+                                     f"training.{kind}_kernels ({kind} {spec.name!r})")
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def why_not_head_at_loss(card: TeacherCard, losses: Any, training: TrainingConfig, combine: Combine) -> str | None:
+    """None when a teacher may hand the losses its final hidden states and head; otherwise why not (logged)."""
+    if not training.teacher_head_at_loss:
+        return "training.teacher_head_at_loss is off"
+    if HEAD not in card.outputs:
+        return f"the head is known to apply exactly only for model types {sorted(head.EXACT_HEADS)}"
+    if combine in ("mixture", "route"):
+        return f"combine: {combine} builds full distributions from the teachers' logits"
+    refusing = sorted({type(loss).__name__ for loss in losses if not getattr(loss, "takes_teacher_head", False)})
+    if refusing:
+        return f"losses {refusing} read the teacher's full logits"
+    return None
+
+
+def vocabulary_problems(student_vocab: int | None, teacher_vocab: int | None, name: str) -> list[str]:
     """A teacher vocabulary padded past the student's is cut by the losses; a larger student one is an error."""
     if student_vocab and teacher_vocab and student_vocab > teacher_vocab:
-        raise ConfigError(
-            f"student {name!r}: its vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): "
-            "they cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to "
-            "distil across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map="
-            "VocabMap.build(student_tokenizer, teacher_tokenizer)) (a run config: student_tokenizer).")
+        return [f"student {name!r}: its vocabulary ({student_vocab}) is larger than the teacher's ({teacher_vocab}): "
+                "they cannot share a tokenizer. Build the student with the teacher's tokenizer and vocab_size, or, to "
+                "distil across tokenizers, use loss cross_tokenizer with paired blocks and Distiller(..., vocab_map="
+                "VocabMap.build(student_tokenizer, teacher_tokenizer)) (a run config: student_tokenizer)."]
+    return []
 
 
 def check_shape(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec], training: TrainingConfig,
-                vocab_map: Any) -> None:
-    """The shapes a run cannot have, each with its fix."""
+                combine: Combine, vocab_map: Any) -> None:
+    """The shapes a run cannot have, each with its fix (before any model is read)."""
     if not students:
         raise ConfigError("no students: give at least one, e.g. students=[StudentSpec(name='small', model=...)]")
+    if combine not in ("sum", "mixture", "route"):
+        raise ConfigError(f"combine: {combine!r} is not one of sum, mixture, route")
     check_names(students, "student")  # again for specs given to make_plan directly (config.specs checks them)
     check_names(teachers, "teacher")
-    missing = [s.name for s in students if s.model is None]
-    if missing:
-        raise ConfigError(f"students {missing} have no model: give each a model (a directory, a hub name or an "
-                          "nn.Module); a run config's init / init_from_teacher students are built by the CLI")
     check_weights(teachers)
-    fraction = training.on_policy.fraction
-    if fraction > 0 and len(students) > 1:
+    on_policy = training.on_policy
+    if on_policy.fraction > 0 and len(students) > 1:
         raise ConfigError(
-            f"training.on_policy.fraction={fraction} with {len(students)} students: each student would sample its "
-            "own completions, so they could not share batches or the teachers' forward. Distil them in separate "
-            "runs, or set training.on_policy.fraction: 0")
-    if fraction > 0 and training.on_policy.sampler == "teacher" and not teachers:
+            f"training.on_policy.fraction={on_policy.fraction} with {len(students)} students: each student would "
+            "sample its own completions, so they could not share batches or the teachers' forward. Distil them in "
+            "separate runs, or set training.on_policy.fraction: 0")
+    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and not teachers:
         raise ConfigError("training.on_policy.sampler: teacher, and this run has no teacher: use sampler: student")
-    if len(teachers) > 1:
-        if vocab_map is not None:
-            raise ConfigError("several teachers across tokenizers is not supported: every teacher must use the "
-                              "student's tokenizer (drop student_tokenizer, or keep one teacher)")
-        check_tokenizers(students[0].model, teachers)
+    if combine == "route" and on_policy.fraction > 0 and on_policy.sampler == "teacher":
+        raise ConfigError("combine: route with training.on_policy.sampler: teacher: each row would need its own "
+                          "teacher's sample; use sampler: student (each sample is scored by its row's teacher)")
+    if len(teachers) > 1 and vocab_map is not None:
+        raise ConfigError("several teachers across tokenizers is not supported: every teacher must use the "
+                          "student's tokenizer (drop student_tokenizer, or keep one teacher)")
 
 
 def student_loss(spec: StudentSpec, facts: Mapping[str, Any], teachers: Sequence[TeacherSpec],
-                 teacher_facts: Mapping[str, Mapping[str, Any]], combine: Combine, vocab_map: Any) -> DistillationLoss:
+                 cards: Mapping[str, TeacherCard], combine: Combine, vocab_map: Any) -> DistillationLoss:
     """A student's loss, sized by its facts and its teachers': one loss per teacher combined by
     :class:`TeacherEnsembleLoss` when there are several, the plain loss for one teacher or none."""
     def built(teacher: TeacherSpec | None) -> DistillationLoss:
         sized = {f"student_{k}": v for k, v in facts.items()}
         if teacher is not None:
-            sized |= {f"teacher_{k}": v for k, v in teacher_facts[teacher.name].items()}
+            sized |= {f"teacher_{k}": v for k, v in cards[teacher.name].facts().items()}
         try:
             return build_loss(spec.loss, **sized, vocab_map=vocab_map)
         except (KeyError, TypeError, ValueError) as err:
