@@ -133,16 +133,18 @@ def server_info(url: str, opts: Mapping[str, Any], name: str = "teacher") -> dic
         while True:
             try:
                 reply = client.get(url.rstrip("/") + path)
-                if reply.status_code == 401:
-                    raise ConfigError(f"teachers[{name}].model: the server at {url} refused the API key (HTTP 401); "
-                                      "set options.api_key_env to the environment variable holding its --api-key")
-                if reply.status_code == 200:
-                    return _info(api, reply.json(), url, name)
+                document = reply.json() if reply.status_code == 200 else None
+            except (httpx.TransportError, ValueError) as err:
+                reply, last = None, f"{type(err).__name__}: {err}"
+            if reply is not None and reply.status_code == 401:
+                raise ConfigError(f"teachers[{name}].model: the server at {url} refused the API key (HTTP 401); "
+                                  "set options.api_key_env to the environment variable holding its --api-key")
+            if reply is not None and document is not None:
+                return _info(api, document, url, name)
+            if reply is not None:
                 last = f"HTTP {reply.status_code} from {path}: {reply.text[:200]}"
                 if reply.status_code == 404:
                     break  # another API on that port: waiting will not help
-            except (httpx.TransportError, ValueError) as err:
-                last = f"{type(err).__name__}: {err}"
             if time.monotonic() >= deadline:
                 break
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

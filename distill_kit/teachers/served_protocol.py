@@ -14,7 +14,8 @@ The last token's prediction (past the row's end) is never asked for: no loss cou
   ``input_ids``, ``return_logprob``, ``logprob_start_len: 0``, ``top_logprobs_num: k``. Each item's ``meta_info``
   has ``input_token_logprobs`` (``[logprob|null, token_id, text|null]`` per prompt token, the first ``null``) and
   ``input_top_logprobs`` (per prompt token ``null`` or a list of ``[logprob, token_id, text|null]``, the first
-  ``null``): again entry ``j + 1`` is our row ``j``.
+  ``null``): again entry ``j + 1`` is our row ``j``. A log-probability of -inf may arrive as ``null`` (orjson writes
+  it so), ``-Infinity`` or -9999; each reads as -inf.
 * **distill_kit**, this project's ``POST /v1/topk`` (``scripts/serve_teacher.py``): a JSON request, a binary
   response of raw little-endian arrays after a small JSON header (:func:`encode_topk`): no per-entry parsing, and
   the tail's exact mass (a logsumexp over the other tokens, as the capture computes it).
@@ -198,8 +199,12 @@ def parse_sglang(document: Any, prompts: Sequence[Sequence[int]], k: int) -> lis
         if any(not isinstance(row, list) or len(row) != k for row in rows):
             bad = next(len(r) if isinstance(r, list) else r for r in rows if not isinstance(r, list) or len(r) != k)
             raise TeacherResponseError(f"prompt {number}: a position has {bad} log-probabilities for k = {k}")
-        array = np.asarray([[(lp, tid) for lp, tid, *_ in row] for row in rows], dtype=np.float64).reshape(-1, k, 2)
-        out.append(PromptTargets(array[..., 1].astype(np.int32), array[..., 0].astype(np.float32)))
+        # orjson writes -inf as null
+        array = np.asarray([[(-np.inf if lp is None else lp, tid) for lp, tid, *_ in row] for row in rows],
+                           dtype=np.float64).reshape(-1, k, 2)
+        values = array[..., 0].astype(np.float32)
+        values[values <= VLLM_NEG_INF] = -np.inf
+        out.append(PromptTargets(array[..., 1].astype(np.int32), values))
     return out
 
 

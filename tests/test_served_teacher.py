@@ -1,0 +1,314 @@
+"""A served teacher against the project's own server, started as a real process on 127.0.0.1 (no mock of HTTP).
+
+One server (the shipped default teacher, fp32 on the CPU) serves the file; it is killed and restarted once, for the
+death-and-restart test, and always killed at the end. Checked: its targets equal the in-process teacher's top-k
+(bitwise through the binary endpoint, which scores the micro-batch as one padded batch as the in-process forward
+does; within a float32 bound through the vLLM-compatible JSON, scored a prompt at a time), so the losses equal too;
+a tokenizer other than the server's refused before anything is built; every fault (slow, empty, truncated,
+non-JSON, other tokens, another k, down at start, died and restarted, gone for good); the vLLM and SGLang fixtures,
+written from their schemas, parse to the same targets. About 40 s on 2 CPU cores, most of it two server starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from distill_kit.config import TeacherSpec
+from distill_kit.errors import ConfigError
+from distill_kit.teachers import served_protocol as protocol
+from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, TeacherSetup
+from distill_kit.teachers.kinds import describe, kind_of
+from distill_kit.teachers.served import ServedTeacher, prompts_of, tokenizer_problems
+from losses import build_loss
+from losses.sparse import SparseTeacherLogits
+
+ROOT = Path(__file__).resolve().parents[1]
+TEACHER = ROOT / "distill_kit" / "assets" / "default" / "teacher"
+FIXTURES = Path(__file__).parent / "fixtures" / "served"
+KEY, KEY_ENV = "sk-test-31", "DISTILL_KIT_TEST_TEACHER_KEY"
+STARTUP_S = 180  # a bounded wait: importing torch, transformers and DeepSpeed on a busy 2-core machine
+B, T, K = 4, 40, 8
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """scripts/serve_teacher.py as a subprocess: start (waiting for /health), kill."""
+
+    def __init__(self, port: int):
+        self.port, self.process = port, None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> Server:
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), str(TEACHER), "--port", str(self.port),
+             "--api-key", KEY, "--device", "cpu", "--dtype", "fp32", "--max-k", "64", "--threads",
+             str(torch.get_num_threads()), "--test-faults"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"the server did not come up within {STARTUP_S} s")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def fault(self, mode: str, **kwargs) -> None:
+        reply = httpx.post(self.url + "/test/fault", json={"mode": mode, **kwargs},
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert reply.status_code == 200, reply.text
+
+
+@pytest.fixture(scope="module")
+def server():
+    os.environ[KEY_ENV] = KEY
+    srv = Server(free_port())
+    try:
+        yield srv.start()
+    finally:
+        srv.kill()
+        os.environ.pop(KEY_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process teacher, as the server loads it (fp32, CPU, the same threads)."""
+    return AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32).eval()
+
+
+def batches(count: int = 2, seed: int = 0) -> list[dict]:
+    """Ragged right-padded micro-batches, the first row of each full (so the padded width is the longest row's)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, 1024, (B, T), generator=g)
+        lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+        lengths[0] = T
+        mask = (torch.arange(T)[None] < lengths[:, None]).long()
+        out.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def teacher(url: str, **options) -> ServedTeacher:
+    spec = TeacherSpec(name="served", model=url, options={"k": K, "api_key_env": KEY_ENV, "wait_s": 5,
+                                                          "retries_s": 5, "timeout_s": 30} | options)
+    card = describe(spec)
+    return ServedTeacher(spec, card, TeacherSetup(ds_config={}, training=None, device=torch.device("cpu")))
+
+
+def in_process_top_k(model, batch) -> SparseTeacherLogits:
+    """What a causal LM's logits[:, t] give at k: top-k of log_softmax in float32, and the tail's log mass."""
+    from distill_kit.offline.capture import top_k
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    values, ids, tails = top_k(logits.reshape(-1, logits.shape[-1]), K, 4096)
+    return SparseTeacherLogits(values.reshape(B, T, K), ids.reshape(B, T, K), tails.reshape(B, T))
+
+
+def counted(batch) -> torch.Tensor:
+    """Positions whose next token is real: the ones a served teacher fills and the losses count."""
+    mask = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
+    mask[:, :-1] = batch["attention_mask"][:, 1:].bool()
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------ no server
+
+
+def test_a_url_is_a_served_teacher():
+    assert kind_of(TeacherSpec(model="http://127.0.0.1:8100")) == "served"
+    assert kind_of(TeacherSpec(model="https://teacher.example:443/")) == "served"
+
+
+def test_fixtures_written_from_the_schemas_parse_to_the_same_targets():
+    prompts, k = [[5, 17, 3, 9], [6, 7]], 2
+    vllm = protocol.parse("vllm", (FIXTURES / "vllm_completion_prompt_logprobs.json").read_bytes(), prompts, k)
+    sglang = protocol.parse("sglang", (FIXTURES / "sglang_generate_input_logprobs.json").read_bytes(), prompts, k)
+    expected_ids = [[[17, 4], [8, 11], [12, 9]], [[7, 2]]]
+    expected_values = [[[-0.25, -1.75], [-0.5, -1.5], [-0.125, -np.inf]], [[-0.0625, -3.0]]]
+    for parsed in (vllm, sglang):
+        for got, ids, values in zip(parsed, expected_ids, expected_values, strict=True):
+            np.testing.assert_array_equal(got.ids, ids)  # by rank; vLLM's extra prompt token (rank 7) dropped
+            np.testing.assert_array_equal(got.log_probs, np.asarray(values, dtype=np.float32))
+    with pytest.raises(protocol.TeacherResponseError, match="other tokens"):
+        protocol.parse("vllm", (FIXTURES / "vllm_completion_prompt_logprobs.json").read_bytes(),
+                       [[5, 17, 3, 10], [6, 7]], k)
+    with pytest.raises(protocol.TeacherResponseError, match="other tokens"):
+        protocol.parse("sglang", (FIXTURES / "sglang_generate_input_logprobs.json").read_bytes(),
+                       [[5, 17, 4, 9], [6, 7]], k)
+    with pytest.raises(protocol.TeacherResponseError, match="k = 3"):
+        protocol.parse("sglang", (FIXTURES / "sglang_generate_input_logprobs.json").read_bytes(), prompts, 3)
+
+
+def test_rows_become_prompts_and_targets_land_on_the_positions_that_predict_them():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 8, 9, 10]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]])  # right and left padding
+    rows = prompts_of({"input_ids": ids, "attention_mask": mask})
+    assert [(r, t.tolist(), p.tolist()) for r, t, p in rows] == [(0, [5, 6, 7], [0, 1, 2]), (1, [8, 9, 10], [2, 3, 4])]
+    packed = {"input_ids": torch.tensor([[1, 2, 3, 4, 5, 0]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2, 0]])}
+    rows = prompts_of(packed)  # two conversations; the one-token padding segment predicts nothing counted
+    assert [(t.tolist(), p.tolist()) for _, t, p in rows] == [([1, 2], [0, 1]), ([3, 4, 5], [2, 3, 4])]
+
+
+def test_server_down_at_start_is_one_clear_error_naming_the_url_and_the_fix():
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"no distill_kit teacher server answered at {url} within wait_s=1 s.*"
+                                          "serve_teacher.py"):
+        describe(TeacherSpec(name="t", model=url, options={"wait_s": 1}))
+    assert time.monotonic() - start < 10
+
+
+# ---------------------------------------------------------------------------------------------- one server
+
+
+def test_card_reports_the_servers_model(server):
+    card = describe(TeacherSpec(name="t", model=server.url, options={"k": K, "api_key_env": KEY_ENV,
+                                                                     "tokenizer": str(TEACHER)}))
+    assert card.kind == "served" and card.outputs == frozenset({TOP_K, TOP_K_TAIL}) and not card.can_generate
+    assert card.vocab_size == 1024 and card.tokenizer == str(TEACHER) and card.num_layers == 8
+    assert tokenizer_problems(card, str(TEACHER)) == []
+    with pytest.raises(ConfigError, match="refused the API key"):
+        describe(TeacherSpec(name="t", model=server.url, options={"wait_s": 0}))
+
+
+def test_targets_equal_the_in_process_teachers_top_k_and_so_do_the_losses(server, reference):
+    served = teacher(server.url, rows_per_request=B)
+    loss = build_loss({"name": "forward_kl", "chunk_size": 16})
+    student = torch.randn(B, T, 1024, generator=torch.Generator().manual_seed(1))
+    for batch in batches():
+        got, want = served(**batch).logits, in_process_top_k(reference, batch)
+        keep = counted(batch)
+        assert torch.equal(got.ids[keep], want.ids[keep])  # bitwise: the same padded batch, fp32, threads
+        assert torch.equal(got.log_probs[keep], want.log_probs[keep])
+        assert torch.equal(got.log_tail[keep], want.log_tail[keep])
+        assert not got.log_probs[~keep].any()  # padding and each row's last position: zeros
+        for tail in (True, False):
+            pick = (lambda t: t) if tail else (lambda t: SparseTeacherLogits(t.log_probs, t.ids))
+            ours = loss(SimpleNamespace(logits=student), SimpleNamespace(logits=pick(got)), batch).total
+            theirs = loss(SimpleNamespace(logits=student), SimpleNamespace(logits=pick(want)), batch).total
+            assert torch.equal(ours, theirs)
+    served.close()
+
+
+def test_vllm_json_and_row_by_row_requests_agree_within_a_float32_bound(server, reference):
+    """The vLLM-compatible endpoint scores each prompt alone (a (1, L) forward, not the (B, T) batch): float32 sums
+    in another order. Bound: the logits' rounding, ~ a few eps32 x |logit| (|logit| < 30 here), carried into
+    log_softmax; 1e-4 is ~50x that and far below any difference of teachers."""
+    batch = batches(1, seed=3)[0]
+    want, keep = in_process_top_k(reference, batch), counted(batch)
+    for api, rows in (("vllm", 2), ("distill_kit", 1)):
+        got = teacher(server.url, api=api, rows_per_request=rows).forward(batch).logits
+        assert (got.log_probs[keep] - want.log_probs[keep]).abs().max() < 1e-4
+        gaps = want.log_probs[keep][:, :-1] - want.log_probs[keep][:, 1:]  # ids may swap only within a near-tie
+        same = got.ids[keep] == want.ids[keep]
+        assert bool(same.all()) or float(gaps.min()) < 1e-4
+        tail = got.log_tail[keep]  # vLLM gives none: log(1 - sum) from the k values, to float32's resolution
+        assert (tail.exp() - want.log_tail[keep].exp()).abs().max() < 1e-5
+
+
+def test_prefetch_sends_the_next_batch_early_and_forward_takes_its_answer(server):
+    served = teacher(server.url, rows_per_request=2, max_in_flight=4)
+    first, second = batches(2, seed=5)
+    plain = served.forward(second).logits
+    served.prefetch(second)
+    assert len(served.pending) == 1
+    served.forward(first)
+    time.sleep(0.5)
+    got = served.forward(second).logits
+    assert not served.pending and torch.equal(got.log_probs, plain.log_probs) and torch.equal(got.ids, plain.ids)
+    served.close()
+
+
+def test_another_tokenizer_is_refused_before_anything_is_built(server, tmp_path):
+    from tiny_tokenizers import bpe
+
+    other = tmp_path / "other_tokenizer"
+    bpe("a b").save_pretrained(other)
+    with pytest.raises(ConfigError, match="tokenizer.*is not options.tokenizer's"):
+        describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "tokenizer": str(other)}))
+    card = describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV}))
+    assert tokenizer_problems(card, str(other)) and "differs" in tokenizer_problems(card, str(other))[0]
+    assert list(tmp_path.iterdir()) == [other]  # nothing written
+
+
+@pytest.mark.parametrize("api", ["distill_kit", "vllm"])
+@pytest.mark.parametrize("mode, match", [("empty", "empty body"), ("garbage", "not (JSON|a distill_kit top-k)"),
+                                         ("truncate", "truncated|not JSON"), ("other_tokens", "other tokens"),
+                                         ("other_k", "k = ")])
+def test_a_bad_answer_is_refused_never_trained_on(server, api, mode, match):
+    served = teacher(server.url, api=api, rows_per_request=B)
+    server.fault(mode)
+    try:
+        with pytest.raises(protocol.TeacherResponseError, match=match):
+            served.forward(batches(1)[0])
+    finally:
+        server.fault("none")
+        served.close()
+
+
+def test_a_slow_server_times_out_naming_its_figure(server):
+    served = teacher(server.url, timeout_s=1)
+    server.fault("slow", slow_s=3)
+    try:
+        with pytest.raises(protocol.TeacherTimeout, match=r"timeout_s=1 s.*raise options.timeout_s"):
+            served.forward(batches(1)[0])
+    finally:
+        time.sleep(3)  # let the slow answers drain before the next test
+        server.fault("none")
+        served.close()
+
+
+def test_a_server_that_dies_is_waited_for_and_one_that_stays_down_stops_the_run(server):
+    """Kill the real server mid-run: the client retries while it restarts and gets the same targets; killed again
+    and left down, the run gets TeacherUnavailable saying to resume."""
+    batch = batches(1, seed=7)[0]
+    served = teacher(server.url, retries_s=STARTUP_S, rows_per_request=B)
+    before = served.forward(batch).logits
+    server.kill()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=served.forward(batch).logits))
+    thread.start()
+    time.sleep(1)
+    assert thread.is_alive()  # retrying, not failed
+    server.start()
+    thread.join(timeout=60)
+    assert torch.equal(result["out"].log_probs, before.log_probs) and torch.equal(result["out"].ids, before.ids)
+    served.close()
+
+    served = teacher(server.url, retries_s=2)
+    server.kill()
+    start = time.monotonic()
+    with pytest.raises(protocol.TeacherUnavailable, match=r"has not answered for \d+ s.*resume with --resume"):
+        served.forward(batch)
+    assert time.monotonic() - start < 15
+    served.close()
