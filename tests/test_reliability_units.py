@@ -52,11 +52,16 @@ def save(directory: Path, step: int, keep_last: int = 2, engine: FakeEngine | No
                            rank_state={"data": step}, teacher_sha256=HASH, keep_last=keep_last)
 
 
+def _names(folder: Path) -> list[str]:
+    """What a checkpoint folder holds, less its lock file (held during each save)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != checkpoint.LOCK)
+
+
 def test_save_writes_everything_then_the_manifest_and_keeps_the_last_n(tmp_path):
     for step in (1, 2, 3):
         path = save(tmp_path, step)
     assert path == tmp_path / "step_00000003"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert _names(tmp_path) == ["step_00000002", "step_00000003"]
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["teacher_sha256"] == HASH and manifest["world_size"] == 1
     assert set(manifest["files"]) == {"deepspeed/model_states.pt", "rank00000.json", "rank00000.safetensors",
@@ -234,14 +239,14 @@ def test_corrupt_checkpoints_never_push_out_the_one_just_written(tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="distill_kit.training.checkpoint"):
         save(tmp_path, 2)
         save(tmp_path, 3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000005",
+    assert _names(tmp_path) == ["step_00000002", "step_00000003", "step_00000005",
                                                            "step_00000006"]
     assert "step_00000006 is corrupt (deepspeed/model_states.pt does not match its sha256" in caplog.text
     # A verified checkpoint of a later step does not push out the one just written either.
     save(tmp_path / "later", 9)
     save(tmp_path / "later", 8)
     save(tmp_path / "later", 4, keep_last=1)
-    assert sorted(p.name for p in (tmp_path / "later").iterdir()) == ["step_00000004", "step_00000009"]
+    assert _names(tmp_path / "later") == ["step_00000004", "step_00000009"]
 
 
 class _OneEngineTrainer(Trainer):
@@ -348,7 +353,30 @@ def test_a_failed_save_names_the_folder_the_cause_and_the_free_space(tmp_path, m
         save(tmp_path, 4, engine=_FullDisk())
     monkeypatch.undo()
     save(tmp_path, 5)  # the next save clears what the failed one left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+    assert _names(tmp_path) == ["step_00000005"]
+
+
+class _Vanished(FakeEngine):
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        raise FileNotFoundError(2, "No such file or directory", f"{save_dir}/{tag}/mp_rank_00_model_states.pt")
+
+
+class _ReadOnly(FakeEngine):
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        raise PermissionError(13, "Permission denied", save_dir)
+
+
+def test_a_failed_save_names_its_real_cause_not_the_disk(tmp_path):
+    """A file deleted under the save (another process cleaning the folder) or a refused permission is said as
+    such, with its own fix: not "free space", on a disk with plenty of it."""
+    with pytest.raises(CheckpointError) as raised:
+        save(tmp_path, 4, engine=_Vanished())
+    message = str(raised.value)
+    assert "FileNotFoundError" in message and "went away while it was written" in message
+    assert "training.checkpoint_dir nothing else writes" in message and "free space" not in message
+    with pytest.raises(CheckpointError, match=r"PermissionError: .*make .* writable") as raised:
+        save(tmp_path, 4, engine=_ReadOnly())
+    assert "free space" not in str(raised.value)
 
 
 class _DeepSpeedLikeEngine(FakeEngine):

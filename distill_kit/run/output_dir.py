@@ -7,7 +7,8 @@ A CLI run owns its output folder for as long as it runs. Three things make that 
   (SIGKILL, out of memory, a lost node), so a stale lock never blocks a resume; a second start while the first
   is alive is refused naming the other run's pid and host, before it touches anything (a second start used to
   delete the first run's in-progress ``.partial-step_*`` save as a "leftover"). Leftovers are cleared only
-  under the lock.
+  under the lock. The run's checkpoint folder is claimed with it (:func:`check`): its lock is held too, and a claim
+  file (:data:`OWNER`) names the run, so two runs never share one, at the same time or one after the other.
 * **the identity** (``run_identity.json``, :func:`check`): the settings that must not change across a resume. A
   folder whose identity differs *and that holds a checkpoint* is another run and is refused; one without a
   checkpoint holds nothing worth keeping (a start that failed before its first save) and is taken over, so that
@@ -21,13 +22,10 @@ This is the CLI's concern, not the checkpoints': ``training/checkpoint.py`` writ
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 RUN_IDENTITY = "run_identity.json"
 DATA_FINGERPRINT = "data_fingerprint.json"
-LOCK = ".distill-kit.lock"
+LOCK = checkpoint.LOCK
+OWNER = ".distill-kit-owner.json"
+"""In a run's checkpoint folder: which output folder (relative to it, so the two move together) and identity
+it belongs to."""
 MANIFEST = "manifest.json"  # a complete checkpoint's last file (training/checkpoint.py)
 DERIVED = ("init", "vocab_map.json")
 """What a start writes from its identity before training (students built from the teacher's config, the
@@ -48,18 +49,6 @@ HASH_CHUNK = 1 << 24
 
 
 # ---- the lock -------------------------------------------------------------------------------------------
-
-
-def _holder(handle: Any) -> str:
-    """Who holds the lock, in words, from what it wrote into the lock file."""
-    try:
-        handle.seek(0)
-        record = json.loads(handle.read() or "{}")
-    except (OSError, ValueError):
-        record = {}
-    if not record:
-        return "another process"
-    return f"pid {record.get('pid')} on host {record.get('host')}, since {record.get('since')}"
 
 
 def _refusal(directory: Path, holder: str) -> ConfigError:
@@ -71,52 +60,55 @@ def _refusal(directory: Path, holder: str) -> ConfigError:
 def in_use(directory: str | Path) -> str | None:
     """Why ``directory`` cannot be claimed now (a live run holds its lock), or None. Creates nothing: a check
     before the claim. The answer can change at once; :class:`Lock` is what decides."""
-    path = Path(directory) / LOCK
-    try:
-        handle = path.open("r+")
-    except OSError:  # no lock file (or unreadable: the claim will say so)
-        return None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return str(_refusal(Path(directory), _holder(handle)))
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return None
+    holder = checkpoint.probe(directory)
+    return None if holder is None else str(_refusal(Path(directory), holder))
+
+
+_LOCKS: dict[str, Lock] = {}
+"""The output folders this process holds, by real path: :func:`check` adds the run's other folders to their claim."""
 
 
 class Lock:
     """An exclusive lock on the output folder, held from :meth:`acquire` to :meth:`release` (or the process's
-    death: the OS releases a ``flock`` with its file). The lock file stays: deleting it would let a third start
+    death: the OS releases a ``flock`` with its file), and on every other folder the run writes that :func:`check`
+    claims while it is held (the checkpoint folder). The lock files stay: deleting one would let a third start
     lock a new file while the second still holds the old one."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.handle: Any = None
+        self.claimed: dict[str, Any] = {}  # the run's other folders: real path -> their lock file
 
     def acquire(self) -> Lock:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        handle = (self.directory / LOCK).open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(handle)
-            handle.close()
-            raise _refusal(self.directory, holder) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        handle.flush()
+        handle, holder = checkpoint.try_lock(self.directory)
+        if handle is None:
+            raise _refusal(self.directory, holder or "another process") from None
         self.handle = handle
+        key = os.path.realpath(self.directory)
+        checkpoint._HELD[key], _LOCKS[key] = handle, self
         return self
 
+    def claim(self, directory: Path, key: str) -> None:
+        """Hold ``directory``'s lock too, until :meth:`release`; ``key`` names it in the refusal."""
+        real = os.path.realpath(directory)
+        if real in checkpoint._HELD:  # the output folder itself, or claimed already
+            return
+        handle, holder = checkpoint.try_lock(directory, {"output_dir": str(self.directory.absolute())})
+        if handle is None:
+            raise ConfigError(f"{key} {str(directory)!r} is in use by a run that is still going ({holder}): give "
+                              f"this run its own {key}")
+        checkpoint._HELD[real] = self.claimed[real] = handle
+
     def release(self) -> None:
+        for real, handle in self.claimed.items():
+            checkpoint._HELD.pop(real, None)
+            checkpoint.unlock(handle)
+        self.claimed = {}
         if self.handle is not None:
-            self.handle.seek(0)
-            self.handle.truncate()  # no holder named while no one holds it
-            fcntl.flock(self.handle, fcntl.LOCK_UN)
-            self.handle.close()
+            key = os.path.realpath(self.directory)
+            checkpoint._HELD.pop(key, None)
+            _LOCKS.pop(key, None)
+            checkpoint.unlock(self.handle)
             self.handle = None
 
     def __enter__(self) -> Lock:
@@ -146,7 +138,97 @@ def has_checkpoint(directory: str | Path, checkpoint_dir: str | Path | None = No
 
 
 def _ours(entry: Path) -> bool:
-    return entry.name == LOCK
+    return entry.name in (LOCK, OWNER)
+
+
+def _changes(saved: Mapping[str, Any], identity: Mapping[str, Any]) -> list[str]:
+    saved, current = _flatten(saved), _flatten(identity)
+    return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+            for key in sorted(saved.keys() | current.keys()) if saved.get(key) != current.get(key)]
+
+
+def _owner(folder: Path) -> dict[str, Any] | None:
+    """The claim in a checkpoint folder (:data:`OWNER`), its output folder resolved; None when it has none."""
+    try:
+        owner = json.loads((folder / OWNER).read_text())
+        owner["resolved"] = os.path.realpath(folder / owner["output_dir"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"output_dir": "?", "resolved": "an unreadable claim", "identity": None}
+    return owner
+
+
+def _a_run(folder: Path) -> str | None:
+    """Whose folder ``folder`` is: ``"the output folder of a run"`` or ``"the checkpoint folder of the run in X"``;
+    None when it is no run's."""
+    if (folder / RUN_IDENTITY).is_file():
+        return "the output folder of a run"
+    owner = _owner(folder)
+    if owner is not None:
+        return f"the checkpoint folder of the run in {owner['resolved']}"
+    return None
+
+
+def folder_problems(directory: str | Path, identity: Mapping[str, Any], *, resume: bool,
+                    checkpoint_dir: str | Path | None) -> list[str]:
+    """Why the run of ``directory`` (``identity``) may not write where it would, each with its fix: its output
+    folder inside another run's folder; its checkpoint folder inside another run's folder, claimed by another run
+    (another output folder, or another identity) that still runs or holds checkpoints there, or holding
+    checkpoints no claim names while this is a new start. Reads only."""
+    directory = Path(directory)
+    out = os.path.realpath(directory)
+    problems = []
+    for parent in Path(out).parents:
+        whose = _a_run(parent)
+        if whose is not None:
+            problems.append(f"output_dir {str(directory)!r} is inside {parent}, {whose}: that run's saves and "
+                            "clean-ups would meet this one's. Give an output_dir outside it")
+            break
+    if checkpoint_dir is None:
+        return problems
+    folder = Path(checkpoint_dir)
+    real = Path(os.path.realpath(folder))
+    key, fix = "training.checkpoint_dir", ("give this run a checkpoint folder of its own (or leave training."
+                                           "checkpoint_dir out: <output_dir>/checkpoints)")
+    for parent in [real, *real.parents]:
+        if str(parent) == out:  # inside this run's output folder (checked above)
+            break
+        whose = None if parent == real and not (parent / RUN_IDENTITY).is_file() else _a_run(parent)
+        if whose is not None:
+            here = "is" if parent == real else f"is inside {parent},"
+            return problems + [f"{key} {str(folder)!r} {here} {whose}: its saves would prune, clear and resume "
+                               f"that run's checkpoints. {fix[0].upper()}{fix[1:]}"]
+    owner = _owner(real)
+    own = owner is not None and owner["resolved"] == out
+    if owner is not None and own and owner.get("identity") not in (None, identity) and has_checkpoint(real):
+        changed = "; ".join(_changes(owner["identity"], identity))
+        return problems + [f"{key} {str(folder)!r} holds checkpoints of another run in this output folder "
+                           f"({changed}): {fix}, or put those settings back to resume that run"]
+    lock = _LOCKS.get(out)  # this run's own claims (under its Lock) are not another run's
+    mine = lock is not None and (str(real) == out or str(real) in lock.claimed)
+    busy = None if mine else checkpoint.probe(real)
+    if busy is not None and not own:
+        return problems + [f"{key} {str(folder)!r} is in use by a run that is still going ({busy}): {fix}"]
+    if owner is not None and not own and has_checkpoint(real):
+        return problems + [f"{key} {str(folder)!r} holds checkpoints of the run in {owner['resolved']} (its claim: "
+                           f"{OWNER}): this run would prune them, and --resume would load them as its own. {fix}"]
+    if owner is None and not resume and has_checkpoint(real) and not (directory / RUN_IDENTITY).is_file():
+        return problems + [f"{key} {str(folder)!r} holds checkpoints of another run (no claim names this run's "
+                           f"output_dir): a new run would prune them, and --resume would load them as its own. {fix}"]
+    return problems
+
+
+def _claim_checkpoints(directory: Path, identity: Mapping[str, Any], checkpoint_dir: Path) -> None:
+    """Write the claim into the checkpoint folder and, under this process's :class:`Lock` of ``directory``, hold
+    the folder's lock too until the run ends."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    lock = _LOCKS.get(os.path.realpath(directory))
+    if lock is not None:
+        lock.claim(checkpoint_dir, "training.checkpoint_dir")
+    claim = {"output_dir": os.path.relpath(os.path.realpath(directory), os.path.realpath(checkpoint_dir)),
+             "output_dir_absolute": os.path.realpath(directory), "identity": identity}
+    checkpoint.write_atomic(checkpoint_dir / OWNER, json.dumps(claim, indent=1, sort_keys=True))
 
 
 def check(directory: str | Path, run_identity: Mapping[str, Any], *, resume: bool,
@@ -159,15 +241,32 @@ def check(directory: str | Path, run_identity: Mapping[str, Any], *, resume: boo
     over (its identity-derived files, :data:`DERIVED`, removed). ``resume`` in a folder that holds no run is an
     error. With ``record=False`` nothing is written or removed (a check before the claim). Call it on rank 0, under
     the :class:`Lock` when recording.
+
+    The checkpoint folder is the run's too (:func:`folder_problems`): recording writes the run's claim into it
+    (:data:`OWNER`) and, under the :class:`Lock`, holds its lock until the run ends, so another run that names it
+    is refused by name, and no save of another run clears this one's save in progress as a leftover.
     """
     directory = Path(directory)
     identity = json.loads(json.dumps(run_identity, default=str))  # as it will read back from disk
+    problems = folder_problems(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir)
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems))
+    _check_output(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir, record=False)
+    if not record:
+        return
+    _check_output(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir, record=True)
+    if checkpoint_dir is not None:
+        _claim_checkpoints(directory, identity, Path(checkpoint_dir))
+
+
+def _check_output(directory: Path, identity: Mapping[str, Any], *, resume: bool,
+                  checkpoint_dir: str | Path | None, record: bool) -> None:
+    """:func:`check` of the output folder itself."""
     path = directory / RUN_IDENTITY
     checkpointed = has_checkpoint(directory, checkpoint_dir)
     if path.is_file():
-        saved, current = _flatten(json.loads(path.read_text())), _flatten(identity)
-        changed = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
-                   for key in sorted(saved.keys() | current.keys()) if saved.get(key) != current.get(key)]
+        changed = _changes(json.loads(path.read_text()), identity)
         if changed and (checkpointed or resume):
             raise ConfigError(
                 f"output directory {directory} holds another run ({'; '.join(changed)}). Choose a new output "

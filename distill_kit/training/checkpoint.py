@@ -30,13 +30,17 @@ types of ``safe_load.DEEPSPEED_GLOBALS`` (``training/safe_load.py``). What still
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import socket
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +69,8 @@ FORMAT = 2
 TENSOR = "__tensor__"  # a rank state's JSON names a tensor kept in its safetensors file so
 FULL_DISK_BYTES = 16 << 20  # below this a failed write is a full disk, whatever the writer said
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing: bounds memory for multi-GB shards
+LOCK = ".distill-kit.lock"
+"""A folder's lock file: whoever holds its ``flock`` writes into the folder (a run's output or checkpoint folder)."""
 Engines = deepspeed.DeepSpeedEngine | Mapping[str, deepspeed.DeepSpeedEngine]
 """One engine (kept in ``deepspeed/``), or several, each kept in the folder it is keyed by."""
 
@@ -233,18 +239,34 @@ def save(
     complete checkpoint of the same step is kept rather than rewritten: that happens only when steps were
     skipped since, and resuming from it replays those skips identically.
     """
-    directory, engines = Path(directory), _by_folder(engines)
+    directory = Path(directory)
+    with contextlib.ExitStack() as held:
+        other = held.enter_context(writing(directory)) if distributed.is_main() else None
+        return _save(directory, engines, step=step, trainer_state=trainer_state, rank_state=rank_state,
+                     teacher_sha256=teacher_sha256, keep_last=keep_last, other=other)
+
+
+def _save(directory: Path, engines: Engines, *, step: int, trainer_state: Mapping[str, Any],
+          rank_state: Mapping[str, Any], teacher_sha256: str | None, keep_last: int, other: str | None) -> Path:
+    """:func:`save`, rank 0 holding the folder's lock (``other``: who holds it instead; then nothing is written)."""
+    engines = _by_folder(engines)
     final = directory / checkpoint_name(step)
     partial = directory / (PARTIAL + final.name)
-    keep = False
+    keep, problem = False, None
     if distributed.is_main():
-        directory.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(directory)
-        if final.exists():
-            keep = verify(final) is None
-            if not keep:
-                _remove(final)
-    if distributed.broadcast_object(keep):
+        if other is not None:
+            problem = (f"checkpoint folder {directory} is in use by another run ({other}): nothing was written. Give "
+                       "each run its own training.checkpoint_dir")
+        else:
+            remove_leftovers(directory)
+            if final.exists():
+                keep = verify(final) is None
+                if not keep:
+                    _remove(final)
+    keep, problem = distributed.broadcast_object((keep, problem))
+    if problem is not None:
+        raise CheckpointError(problem)
+    if keep:
         return final
     try:
         for folder, engine in engines.items():  # a PEFT student's frozen base is not saved: its sha256 is, below
@@ -256,9 +278,7 @@ def save(
         partial.mkdir(parents=True, exist_ok=True)
         _write_rank_state(partial, distributed.rank(), rank_state)
     except (OSError, RuntimeError) as err:
-        raise CheckpointError(f"could not write checkpoint {partial}: {write_failure(err, directory)}. "
-                              f"{disk_space(directory)}; free space or choose another training.checkpoint_dir, then "
-                              "resume (--resume) from the last checkpoint (the unfinished one is cleared).") from None
+        raise CheckpointError(f"could not write checkpoint {partial}: {write_failure(err, directory)}") from None
     frozen = _frozen_bases(engines)
     distributed.barrier()  # every rank's files are on disk
     if distributed.is_main():
@@ -305,21 +325,139 @@ def _without_frozen_aliases(engine: deepspeed.DeepSpeedEngine) -> Iterator[None]
         del engine.module_state_dict
 
 
+# ---- who writes a folder: its lock ---------------------------------------------------------------------
+
+
+_HELD: dict[str, Any] = {}
+"""The folders whose lock this process holds (real path -> the open lock file): a run's claims (``run/output_dir.py``)
+and the folder of a save in progress. A ``flock`` belongs to its open file, so a second open in this process would
+conflict with the first: whoever asks here first."""
+
+
+def holder(handle: Any) -> str:
+    """Who holds a lock, in words, from what the holder wrote into the lock file."""
+    try:
+        handle.seek(0)
+        record = json.loads(handle.read() or "{}")
+    except (OSError, ValueError):
+        record = {}
+    if not record:
+        return "another process"
+    who = f"pid {record.get('pid')} on host {record.get('host')}, since {record.get('since')}"
+    return who + (f", the run in {record['output_dir']}" if record.get("output_dir") else "")
+
+
+def try_lock(directory: str | Path, note: Mapping[str, Any] | None = None) -> tuple[Any, str | None]:
+    """Take ``directory``'s lock (creating the folder): ``(open lock file, None)``, or ``(None, who holds it)``. The
+    holder's pid, host and time (and ``note``) go into the lock file. The lock file stays when released: deleting it
+    would let a third process lock a new file while the second still holds the old one."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = (directory / LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = holder(handle)
+        handle.close()
+        return None, who
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S"), **(note or {})}))
+    handle.flush()
+    return handle, None
+
+
+def unlock(handle: Any) -> None:
+    handle.seek(0)
+    handle.truncate()  # no holder named while no one holds it
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    handle.close()
+
+
+def locked_by_other(directory: str | Path) -> str | None:
+    """Who else holds ``directory``'s lock now (a live process, or another claim of this one), or None: free, or
+    held by this process's claim. Creates nothing."""
+    return None if held_here(directory) else probe(directory)
+
+
+def probe(directory: str | Path) -> str | None:
+    """Who holds ``directory``'s lock now, whoever it is (this process's claims too), or None. Creates nothing;
+    the answer can change at once: taking the lock is what decides."""
+    try:
+        handle = (Path(directory) / LOCK).open("r+")
+    except OSError:  # no lock file: no one ever claimed it
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder(handle)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def held_here(directory: str | Path) -> bool:
+    return os.path.realpath(directory) in _HELD
+
+
+@contextmanager
+def writing(directory: str | Path) -> Iterator[str | None]:
+    """Hold ``directory``'s lock while the body writes: yields None, or who else holds it (then write nothing).
+    A lock this process already holds (the run's claim) is kept as it is."""
+    key = os.path.realpath(directory)
+    if key in _HELD:
+        yield None
+        return
+    handle, who = try_lock(directory)
+    if handle is None:
+        yield who
+        return
+    _HELD[key] = handle
+    try:
+        yield None
+    finally:
+        del _HELD[key]
+        unlock(handle)
+
+
 def remove_leftovers(directory: str | Path) -> None:
     """Delete what killed saves and deletes left (``.partial-*``, ``.deleting-*``): never loadable, and on a
-    full disk they take the space the next save needs. Call on rank 0 only, before writing."""
+    full disk they take the space the next save needs. Call on rank 0 only, before writing.
+
+    Only a folder no other live process writes has leftovers: while another holds its lock (a run that claimed it,
+    or a save in progress), a ``.partial-*`` there may be its save, and nothing is removed."""
     directory = Path(directory)
-    if directory.is_dir():
+    if not directory.is_dir():
+        return
+    with writing(directory) as other:
+        if other is not None:
+            logger.warning("not clearing leftovers in %s: another run writes there (%s)", directory, other)
+            return
         for leftover in [*directory.glob(PARTIAL + "*"), *directory.glob(DELETING + "*")]:
             logger.warning("removing %s: what a save or delete that did not finish left", leftover)
             shutil.rmtree(leftover)
 
 
 def write_failure(err: BaseException, directory: str | Path) -> str:
-    """Why a write failed, in words: a full disk says so even when DeepSpeed's C++ writer reports only
-    "basic_ios::clear: iostream error" (no errno), judged by the space left."""
-    full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or free_bytes(directory) < FULL_DISK_BYTES
-    return "no space left on device" if full else f"{type(err).__name__}: {err}"
+    """Why a write into ``directory`` failed, in words, with what to do: the cause it really was.
+
+    A full disk says so even when DeepSpeed's C++ writer reports only "basic_ios::clear: iostream error" (no
+    errno), judged by the space left. A file or folder that vanished during the write was deleted by someone
+    else, not lost to a full disk; a refused permission is a permission."""
+    errno_ = err.errno if isinstance(err, OSError) else None
+    resume = "then resume (--resume) from the last checkpoint (the unfinished one is cleared)"
+    if errno_ == errno.ENOSPC or free_bytes(directory) < FULL_DISK_BYTES:
+        return (f"no space left on device. {disk_space(directory)}; free space or choose another "
+                f"training.checkpoint_dir, {resume}")
+    if isinstance(err, FileNotFoundError) or errno_ == errno.ENOENT:
+        return (f"{type(err).__name__}: {err}: a file or folder of the save went away while it was written "
+                f"(something else deletes in {directory}: another run sharing it, or a clean-up). Give this run a "
+                f"training.checkpoint_dir nothing else writes, {resume}")
+    if isinstance(err, PermissionError) or errno_ in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{type(err).__name__}: {err}: make {directory} writable or choose another training.checkpoint_dir"
+    return (f"{type(err).__name__}: {err}. {disk_space(directory)}; if the disk filled, free space or choose "
+            f"another training.checkpoint_dir, {resume}")
 
 
 def nearest_existing(directory: str | Path) -> Path:

@@ -93,7 +93,7 @@ def shared_teacher(out: Path, teacher: Path, students: dict[str, Path]) -> None:
     interrupted.train(data)
     ckpt = Path(training.checkpoint_dir)
     stopped = {"by": interrupted.stopped_by, "step": interrupted.step,
-               "checkpoints": sorted(p.name for p in ckpt.iterdir()),
+               "checkpoints": sorted(p.name for p in ckpt.iterdir() if p.name != ".distill-kit.lock"),
                "files": sorted(p.name for p in (ckpt / "step_00000003").iterdir())}
     del interrupted
     resumed = Distiller(teacher=teacher, students=specs, training=training)
@@ -179,7 +179,7 @@ def side_by_side(out: Path, students: dict[str, Path]) -> None:
         "first_loss": history[0]["small/loss"], "last_loss": history[-1]["small/loss"],
         "reloaded_step": reloaded.step,
         "reloaded_diff": {n: max_diff(params[n], gathered(reloaded.students[n].model)) for n in params},
-        "checkpoint_dirs": sorted(p.name for p in (out / "sbs_ckpt").iterdir()),
+        "checkpoint_dirs": sorted(p.name for p in (out / "sbs_ckpt").iterdir() if p.name != ".distill-kit.lock"),
         "checkpoint_files": sorted(p.name for p in (out / "sbs_ckpt/step_00000004").iterdir()),
         "mutual_parts": sorted(mutual_history[0]),
         "mutual_kl": [h["small/mutual_kl"] for h in mutual_history],

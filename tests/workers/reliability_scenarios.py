@@ -110,8 +110,9 @@ def resume(out: Path, teacher: Path, student: Path, other_teacher: Path) -> Faul
     if distributed.rank() == distributed.world_size() - 1:
         interrupted.sigterm_at = 3
     interrupted.train(block_loader())
+    folder = Path(training.checkpoint_dir)
     stopped = {"by": interrupted.stopped_by, "step": interrupted.step,
-               "checkpoints": sorted(p.name for p in Path(training.checkpoint_dir).iterdir())}
+               "checkpoints": sorted(p.name for p in folder.iterdir() if p.name != checkpoint.LOCK)}
 
     resumed = Faulty(student, teacher, training=training)
     path = resumed.resume()
@@ -253,7 +254,7 @@ def killed_save(out: Path, teacher: Path, student: Path) -> None:
 def after_kill(out: Path, teacher: Path, student: Path) -> None:
     """Resume what ``killed_save`` left; compare with an uninterrupted run."""
     training = replace(TRAINING, checkpoint_dir=str(out / "killed_ckpt"), save_every=2)
-    left = sorted(p.name for p in Path(training.checkpoint_dir).iterdir())
+    left = sorted(p.name for p in Path(training.checkpoint_dir).iterdir() if p.name != checkpoint.LOCK)
     resumed = Distiller(student, teacher, training=training)
     path = resumed.resume()
     resumed.train(block_loader())
@@ -261,7 +262,7 @@ def after_kill(out: Path, teacher: Path, student: Path) -> None:
     reference.train(block_loader())
     write(out, "after_kill", {
         "left": left, "resumed_from": path.name if path else None,
-        "after": sorted(p.name for p in Path(training.checkpoint_dir).iterdir()),
+        "after": sorted(p.name for p in Path(training.checkpoint_dir).iterdir() if p.name != checkpoint.LOCK),
         "losses": [h["loss"] for h in resumed.history], "ref_losses": [h["loss"] for h in reference.history],
         "max_param_diff": max_diff(gathered(resumed.student_model), gathered(reference.student_model)),
     })
