@@ -50,6 +50,19 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+SEEDS = 2**32
+"""Seeds run from 0 to 2**32 - 1: a run seeds numpy's generator with each (``transformers.set_seed``, the data's
+shuffles), and numpy takes no other."""
+
+
+def check_seed(value: Any, key: str) -> None:
+    """Refuse a seed outside 0 .. 2**32 - 1 (or not a whole number) at config time, before anything is written:
+    numpy would refuse it only once the run has begun."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEEDS:
+        raise ConfigError(f"{key}: {value!r} is not a seed; give a whole number from 0 to {SEEDS - 1} (2**32 - 1: "
+                          "numpy's generators, which the run seeds with it, take no other)")
+
+
 def check_kernels(choice: str, key: str) -> None:
     """What can be checked before any model exists: the name, and that Liger is installed if asked for (the
     architecture is ``engines/kernels.py``'s ``check_model_type``)."""
@@ -218,6 +231,7 @@ class TrainingConfig:
         if bad:
             values = ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid training settings: {values}")
+        check_seed(self.seed, "training.seed")
         for key in ("teacher_kernels", "student_kernels"):
             check_kernels(getattr(self, key), f"training.{key}")
         check_teacher_precision(self.teacher_precision, self.dtype, "training.teacher_precision", "training.dtype")
@@ -333,6 +347,7 @@ class HarnessConfig:
                 raise ConfigError(f"eval.harness.{key}: {value}; give {low} or more")
         if len(set(self.tasks)) != len(self.tasks):
             raise ConfigError(f"eval.harness.tasks: {list(self.tasks)} names a task twice; name each once")
+        check_seed(self.seed, "eval.harness.seed")
 
 
 @dataclass(frozen=True)
@@ -392,10 +407,11 @@ class TaskConfig:
             raise ValueError(f"task.recipes: unknown {unknown}; choose from {list(RECIPES + EXTRA_RECIPES)}")
         if min(self.labelled, self.prompts, self.heldout) < 1 or self.warm_start_steps < 0:
             raise ValueError("task.labelled, task.prompts and task.heldout must be >= 1, warm_start_steps >= 0")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(
-                isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"task.seeds: {list(self.seeds)}; give one or more distinct whole numbers >= 0, "
-                             "e.g. [0, 1, 2] (or [0] for one quick run)")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"task.seeds: {list(self.seeds)}; give one or more distinct seeds, e.g. [0, 1, 2] (or "
+                             "[0] for one quick run)")
+        for i, seed in enumerate(self.seeds):
+            check_seed(seed, f"task.seeds[{i}]")
         if self.max_new_tokens < 1:
             raise ValueError(f"task.max_new_tokens: {self.max_new_tokens} tokens leaves no answer to sample or "
                              "generate; give 1 or more (the task's answers are 27 tokens)")

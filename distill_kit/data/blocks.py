@@ -32,6 +32,7 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from distill_kit.config import check_seed
 from distill_kit.errors import DataError
 
 IGNORE_INDEX = -100
@@ -98,6 +99,7 @@ class DataConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"data.{name} must be a positive number of blocks or None, got {value}")
+        check_seed(self.seed, "data.seed")
 
 
 @dataclass(frozen=True)
