@@ -46,6 +46,7 @@ class AttentionKL(DistillationLoss):
 
     needs_attentions = True
     needs_full_logits = False
+    takes_teacher_head = True  # reads the teacher's attentions, which a headless teacher returns unchanged
 
     def __init__(
         self,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from losses.chunked import ChunkLoss, dense_chunk_loss
-from losses.fused import logit_loss_sum
+from losses.chunked import ChunkLoss, dense_chunk_loss, head_chunk_loss
+from losses.fused import HeadOutput, logit_loss_sum
 from losses.sparse import SparseTeacherLogits, top_k_chunk_loss
 
 IGNORE_INDEX = -100
@@ -77,6 +77,13 @@ class DistillationLoss(nn.Module):
     needs_teacher: bool = True
     """False when the teacher slot is never read as a teacher's outputs (cross-entropy on the labels; mutual
     learning, which reads peers there): only such losses train models that have no teacher."""
+    takes_teacher_head: bool = False
+    """Whether the loss, given a teacher's :class:`~losses.fused.HeadOutput` (final hidden states and output head,
+    no logits), never builds the teacher's full logits: a logit loss applies the head chunk by chunk next to the
+    student's rows, and a loss that reads no teacher logits (hidden states, attentions, labels) never applies it.
+    When every loss against a teacher does, the teacher may run without its head
+    (``distill_kit/engines/head.py``). A loss without it still works on a ``HeadOutput``, whose ``logits`` are then
+    computed in full on first read; user losses are assumed to read them."""
 
     @property
     def name(self) -> str:
@@ -101,9 +108,13 @@ class LogitLoss(DistillationLoss):
 
     The student's outputs may be a :class:`~losses.fused.HeadOutput` (hidden states and the output head):
     then the logits are computed chunk by chunk with the loss and never exist in full (``losses/fused.py``).
+    So may the teacher's (``takes_teacher_head``): then each chunk's teacher logits are computed from the
+    teacher's hidden states next to the student's chunk (``losses/chunked.py:head_chunk_loss``). A subclass that
+    overrides :meth:`chunk_loss` and reads the teacher's logits itself sets ``takes_teacher_head = False``.
     """
 
     needs_full_logits = False
+    takes_teacher_head = True
 
     top_k_targets: bool = True
     """Whether ``per_token`` means the same on rows over a captured teacher's top k (any divergence does)."""
@@ -125,7 +136,13 @@ class LogitLoss(DistillationLoss):
         raise NotImplementedError
 
     def chunk_loss(self, teacher_logits: Any, labels: torch.Tensor) -> ChunkLoss:
-        """What each chunk of student rows is compared with: a live teacher's logits or a captured top k."""
+        """What each chunk of student rows is compared with: a live teacher's logits, a live teacher's hidden states
+        and head (a :class:`~losses.fused.HeadOutput` whose logits were never built), or a captured top k."""
+        if isinstance(teacher_logits, HeadOutput):
+            head = teacher_logits.head
+            hidden = teacher_logits.hidden.reshape(-1, teacher_logits.hidden.shape[-1])
+            return head_chunk_loss(self.per_token, hidden, head.weight, getattr(head, "bias", None), labels,
+                                   self.temperature)
         if not isinstance(teacher_logits, SparseTeacherLogits):
             return dense_chunk_loss(self.per_token, teacher_logits.reshape(-1, teacher_logits.shape[-1]), labels,
                                     self.temperature)
@@ -137,10 +154,17 @@ class LogitLoss(DistillationLoss):
             )
         return top_k_chunk_loss(self.per_token, teacher_logits, labels, self.temperature, self.name)
 
+    def teacher_targets(self, teacher: Any) -> Any:
+        """The teacher's ``HeadOutput`` itself when its logits were never built and this loss takes it (the head is
+        then applied per chunk); its ``logits`` otherwise (built in full on first read, and reused once built)."""
+        if self.takes_teacher_head and isinstance(teacher, HeadOutput) and teacher._logits is None:
+            return teacher
+        return teacher.logits
+
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
         mask = valid_positions(batch)
         rows = mask.reshape(-1).nonzero().squeeze(1)
-        chunk_loss = self.chunk_loss(teacher.logits, next_token_labels(batch).reshape(-1))
+        chunk_loss = self.chunk_loss(self.teacher_targets(teacher), next_token_labels(batch).reshape(-1))
         total = logit_loss_sum(student, rows, chunk_loss, self.chunk_size)
         if self.scale_by_t2:
             total = total * self.temperature**2

@@ -8,7 +8,8 @@ logits' own dtype into one buffer. Backward only scales the buffer by ``grad_out
 full-size tensor this adds is the gradient the student logits need anyway (in bf16 for a bf16 model);
 float32 lives one chunk at a time. Teacher targets are read, never differentiated.
 
-What a chunk is compared with is a :data:`ChunkLoss`: a live teacher's logits (:func:`dense_chunk_loss`)
+What a chunk is compared with is a :data:`ChunkLoss`: a live teacher's logits (:func:`dense_chunk_loss`), a
+live teacher's final hidden states and output head, applied to the chunk's rows only (:func:`head_chunk_loss`),
 or a captured teacher's top-k log-probabilities (``losses/sparse.py``); the chunking is the same.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from losses.functional import compute_dtype
@@ -31,18 +33,24 @@ class ChunkLoss:
     """What a chunk of student rows is compared with, as ``rows_loss(student, *targets[chunk], **options)``.
 
     ``targets`` are flat tensors indexed by row (a teacher's ``(N, Vt)`` logits, ``(N,)`` labels, ...; None
-    passes through) and ``options`` the loss's constants. Keeping the function, the per-row tensors and the
-    constants apart lets the fused head path (``losses/fused.py``) hand exactly one chunk's tensors to a
-    ``torch.compile``d step whose function and constants stay the same from step to step (no recompiles).
+    passes through), ``options`` the loss's constants and ``shared`` tensors every chunk reads whole (a teacher
+    head's ``(Vt, H)`` weight and ``(Vt,)`` bias or None), passed after the chunk's targets. Keeping the function,
+    the per-row tensors and the constants apart lets the fused head path (``losses/fused.py``) hand exactly one
+    chunk's tensors to a ``torch.compile``d step whose function and constants stay the same from step to step (no
+    recompiles); a shared tensor reaches it as an argument, so dynamo treats it as an input (guarded on shape and
+    dtype), not as a constant baked into the graph, and a new one each step (a ZeRO-3 teacher's head gathered
+    afresh) compiles nothing new.
     Called as ``chunk_loss(student (c, Vs) float32, chunk (c,) row indices) -> (c,)`` loss per token.
     """
 
     rows_loss: Callable[..., torch.Tensor]
     targets: tuple[torch.Tensor | None, ...]
     options: Mapping[str, Any] = field(default_factory=dict)
+    shared: tuple[torch.Tensor | None, ...] = ()
 
     def select(self, chunk: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return tuple(None if t is None else t[chunk] for t in self.targets)
+        """The positional tensors of ``rows_loss`` for one chunk: the targets' rows, then the shared tensors."""
+        return tuple(None if t is None else t[chunk] for t in self.targets) + self.shared
 
     def __call__(self, student: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         return self.rows_loss(student, *self.select(chunk), **self.options)
@@ -106,4 +114,26 @@ def dense_rows(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tenso
     """One chunk: student ``(c, Vs)`` float32, teacher ``(c, Vt)`` logits, labels ``(c,)`` -> ``(c,)``."""
     vocab = min(student.shape[-1], teacher.shape[-1])
     return per_token(student[:, :vocab] / temperature, teacher[:, :vocab].to(student.dtype) / temperature, labels)
+
+
+def head_chunk_loss(per_token: PerToken, teacher_hidden: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, labels: torch.Tensor, temperature: float) -> ChunkLoss:
+    """:func:`dense_chunk_loss` against a live teacher whose output head is applied here, one chunk at a time.
+
+    ``teacher_hidden`` (N, H) are the teacher's final hidden states (after its final norm), ``weight`` (Vt, H) and
+    ``bias`` (Vt,) or None its head. Each chunk's teacher logits (c, Vt) exist only while that chunk's loss is
+    computed, so the teacher's full (N, Vt) logits never do. The targets are detached: the teacher is never
+    differentiated (nor is a peer model whose outputs stand in the teacher's slot).
+    """
+    options = {"per_token": per_token, "temperature": temperature}
+    shared = (weight.detach(), None if bias is None else bias.detach())
+    return ChunkLoss(head_rows, (teacher_hidden.detach(), labels), options, shared)
+
+
+def head_rows(student: torch.Tensor, teacher_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None, *, per_token: PerToken, temperature: float) -> torch.Tensor:
+    """One chunk: the teacher's logits ``(c, Vt)`` from its hidden states ``(c, H)`` in the teacher's dtype (what its
+    head computes), then exactly :func:`dense_rows`."""
+    teacher = F.linear(teacher_hidden, weight, bias)
+    return dense_rows(student, teacher, labels, per_token=per_token, temperature=temperature)
 

@@ -47,6 +47,7 @@ class WeightedSum(DistillationLoss):
         self.needs_attentions = any(loss.needs_attentions for loss in self.terms.values())
         self.needs_full_logits = any(loss.needs_full_logits for loss in self.terms.values())
         self.needs_teacher = any(loss.needs_teacher for loss in self.terms.values())
+        self.takes_teacher_head = all(loss.takes_teacher_head for loss in self.terms.values())
 
     def forward(self, student: Any, teacher: Any, batch: Mapping[str, Any]) -> LossOutput:
         total = 0.0

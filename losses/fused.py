@@ -15,6 +15,11 @@ few kernels); on the CPU, and with ``compile=False``, it runs eagerly. The math 
 
 A tied embedding is the same ``Parameter`` as the head weight, so its gradient from here and from the
 embedding lookup add up in autograd as they do without fusion.
+
+The teacher's head can be applied at the loss too (Liger's fused distillation applies both heads there): a
+teacher's :class:`HeadOutput` reaches the :data:`~losses.chunked.ChunkLoss` as its hidden states (per-row
+targets) and its head's weight and bias (shared tensors), and each chunk's teacher logits are computed next to
+the student's (``losses/chunked.py:head_chunk_loss``). That works on both student paths, fused or materialised.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ class HeadOutput:
     """A causal LM's outputs with the output head not yet applied (see ``distill_kit/engines/head.py``).
 
     ``hidden`` (B, T, H) are the final hidden states the head reads (after the final norm); ``head`` is the
-    output layer (``weight`` (V, H), ``bias`` (V,) or None). ``hidden_states`` and ``attentions`` are the
-    body's, as a Hugging Face model returns them. A logit loss takes the fused path; anything else that reads
-    ``logits`` (evaluation, a user loss) gets them computed in full on first use, differentiably.
+    output layer (``weight`` (V, H), ``bias`` (V,) or None; anything with those two attributes that maps hidden
+    states to logits when called, such as a ZeRO-3 teacher's gathered head). ``hidden_states`` and
+    ``attentions`` are the body's, as a Hugging Face model returns them. A logit loss applies the head chunk by
+    chunk, for a student (the fused path) or a teacher (``losses/chunked.py:head_chunk_loss``); anything else
+    that reads ``logits`` (evaluation, a user loss, a mixture of teachers) gets them computed in full on first
+    use, differentiably, and kept.
     """
 
     hidden: torch.Tensor
@@ -93,7 +101,9 @@ def value_and_grad(logits: torch.Tensor, rows_loss: Callable[..., torch.Tensor],
 @functools.cache
 def _compiled() -> Callable[..., Any]:
     """One compiled step per process; dynamo specialises it per loss function and, after a second chunk
-    length (the last, shorter chunk), compiles it once more with a dynamic length."""
+    length (the last, shorter chunk), compiles it once more with a dynamic length. Every tensor reaches it as
+    an argument (a teacher head's weight included: :attr:`~losses.chunked.ChunkLoss.shared`), so a new tensor
+    of the same shape and dtype, step after step, reuses the graph."""
     return torch.compile(value_and_grad)
 
 

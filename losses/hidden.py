@@ -48,6 +48,7 @@ class HiddenStateLoss(DistillationLoss):
 
     needs_hidden_states = True
     needs_full_logits = False
+    takes_teacher_head = True  # reads the teacher's hidden_states, which a headless teacher returns unchanged
 
     def __init__(
         self,

@@ -1,17 +1,26 @@
-"""Running a student without its output head, so that a logit loss can apply the head chunk by chunk.
+"""Running a student or a teacher without its output head, so that a logit loss can apply the head chunk by chunk.
 
 A Hugging Face causal LM is a body (``model.base_model``: embeddings, layers, final norm) and a head
 (``get_output_embeddings()``, an ``nn.Linear``); for the architectures in :data:`EXACT_HEADS` the logits are
 exactly ``head(body(...).last_hidden_state)``. Others scale or cap their logits after the head (Gemma 2's
 soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``), so fusing would change the loss: they,
 and non-HF modules, keep the plain path. See ``losses/fused.py`` for the loss side.
+
+The student's side: :func:`why_not_fused`, :func:`headless_forward`. The teacher's side:
+:func:`why_not_teacher_head`, :func:`teacher_head_forward`; there the full (tokens x vocabulary) teacher logits,
+the largest tensor of a teacher forward, are never built (``losses/chunked.py:head_chunk_loss``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import deepspeed
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distill_kit.engines.deepspeed_config import zero_stage
@@ -52,3 +61,97 @@ def headless_forward(model: nn.Module, **inputs: Any) -> HeadOutput:
     out = model.base_model(**inputs)
     return HeadOutput(hidden=out.last_hidden_state, head=model.get_output_embeddings(),
                       hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
+
+
+@dataclass(frozen=True)
+class GatheredHead:
+    """A ZeRO-3 teacher's output head, gathered whole and copied: ``weight`` (V, H), ``bias`` (V,) or None.
+
+    ZeRO-3 re-partitions a gathered parameter when its gathering context ends, but the loss applies the head
+    later, once per chunk and per student; this copy outlives the context. It is what a
+    :class:`~losses.fused.HeadOutput` needs of a head: the two tensors, and the logits when called.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias)
+
+
+def why_not_teacher_head(model: nn.Module, losses: nn.Module | Iterable[nn.Module], enabled: bool) -> str | None:
+    """None when a teacher may run without its output head, the losses applying it; otherwise the reason, for the log.
+
+    ``model`` is the teacher as loaded or as built (a module, a ZeRO-3 ``DeepSpeedEngine``, an FP8 module);
+    ``losses`` one loss or every loss that reads this teacher (each student's; a combination of teachers is
+    one loss); ``enabled`` is ``training.teacher_head_at_loss``. Unlike the student's head, a ZeRO-3 teacher's
+    may be partitioned: :func:`teacher_head_forward` gathers it.
+    """
+    if not enabled:
+        return "training.teacher_head_at_loss is off"
+    for loss in [losses] if isinstance(losses, nn.Module) else list(losses):
+        if not getattr(loss, "takes_teacher_head", False):
+            return (f"loss {type(loss).__name__} reads the teacher's full logits (it does not set "
+                    "takes_teacher_head)")
+    model = _unwrapped(model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in EXACT_HEADS:
+        return (f"the teacher's head is known exact at the loss only for model types {sorted(EXACT_HEADS)}, "
+                f"not {model_type!r}")
+    body = getattr(model, "base_model", model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if body is model or not isinstance(head, nn.Linear):
+        return "the teacher has no separate body and linear output head"
+    return None
+
+
+def teacher_head_forward(model_or_engine: nn.Module, **inputs: Any) -> HeadOutput:
+    """The teacher's body forward; its head is handed on to the loss, not applied.
+
+    ``model_or_engine`` is the teacher as built (``engines/build.py:build_teacher``): a replicated or FP8 module
+    (an FP8 teacher's head stays bf16: ``engines/fp8.py``) hands on its own head. A ZeRO-3 engine runs its forward
+    as usual, with the body standing in for the whole model, so every hook DeepSpeed keeps around it runs (its top
+    module's start-of-forward hook steps the parameter coordinator, which records the order of the modules once and
+    then prefetches by it; called on the body alone it never records one, and every layer's gather waits). The
+    head, untouched by that forward and so still partitioned, is then gathered once and copied
+    (:class:`GatheredHead`), for every student of the micro-batch. ``inputs`` are the model's keyword arguments
+    (``input_ids``, ``attention_mask``, ``output_hidden_states``, ...; no ``labels``). Call it under
+    ``torch.no_grad()``, as the teacher's full forward is.
+    """
+    engine = model_or_engine if isinstance(model_or_engine, deepspeed.DeepSpeedEngine) else None
+    model = _unwrapped(model_or_engine if engine is None else engine.module)
+    body, head = model.base_model, model.get_output_embeddings()
+    if engine is None:
+        out = body(**inputs)
+    else:
+        with _forward_replaced(engine.module, lambda **kwargs: body(**kwargs)):  # a function, not a submodule
+            out = engine(**inputs)
+        if _is_zero3(head.weight):
+            head = _gathered(head)
+    return HeadOutput(hidden=out.last_hidden_state, head=head, hidden_states=getattr(out, "hidden_states", None),
+                      attentions=getattr(out, "attentions", None))
+
+
+def _is_zero3(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")  # set on every parameter ZeRO-3 manages
+
+
+def _gathered(head: nn.Module) -> GatheredHead:
+    """One all-gather of the head's weight and bias, copied before ZeRO-3 partitions them again."""
+    bias = getattr(head, "bias", None)
+    with deepspeed.zero.GatheredParameters([p for p in (head.weight, bias) if p is not None], modifier_rank=None):
+        return GatheredHead(head.weight.detach().clone(), None if bias is None else bias.detach().clone())
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``module(...)`` runs ``forward`` inside ``module``'s own hooks, until the context ends."""
+    own = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
