@@ -95,6 +95,20 @@ def table(summary: Mapping[str, Any]) -> str:
     if across:
         lines.append("the students' tokenizer is not the teacher's: compare by bits per byte; perplexity is per token "
                      "of each model's own tokenizer and compares only the students with one another")
+    if "harness" in summary:
+        lines.append(harness_table(summary["harness"]))
+    return "\n".join(lines)
+
+
+def harness_table(harness: Mapping[str, Any]) -> str:
+    """lm-evaluation-harness scores (``distill_kit/tasks/harness``): a row per model, a column per task and metric."""
+    columns = list(dict.fromkeys(key for row in harness["models"].values() for key in row))
+    shots = "each task's default shots" if harness.get("num_fewshot") is None else f"{harness['num_fewshot']}-shot"
+    limit = f", first {harness['limit']} examples per task" if harness.get("limit") else ""
+    lines = [f"lm-evaluation-harness {harness['lm_eval']} ({shots}{limit})",
+             f"{'model':<14}" + "".join(f"{c:>{max(len(c) + 2, 10)}}" for c in columns)]
+    for name, row in harness["models"].items():
+        lines.append(f"{name:<14}" + "".join(_cell(row, c, max(len(c) + 2, 10), 4) for c in columns))
     return "\n".join(lines)
 
 

@@ -65,8 +65,8 @@ def check(config: HarnessConfig) -> None:
         raise ConfigError("eval.harness.tasks is empty: name the tasks to score, e.g. [distill_kit_arithmetic], "
                           "[gsm8k]")
     others = [name for name in config.tasks if name not in PROJECT_TASKS]
-    if others:
-        known = set(_task_manager(others).all_tasks)
+    if others:  # a distill_kit_ name is the project's (the harness has none): no need to index the harness's
+        known = set() if all(n.startswith("distill_kit_") for n in others) else set(_task_manager(others).all_tasks)
         unknown = [name for name in others if name not in known]
         if unknown:
             hints = "; ".join(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if (
@@ -93,7 +93,7 @@ def models(run_dir: str | Path, teacher: bool = True) -> list[Model]:
         raise ConfigError(f"{run_dir} holds no exported student (no students/<name> folder): the harness scores a "
                           "finished run's exported students; finish the run (--resume) or give its output_dir")
     if teacher:
-        found += _teachers(config)
+        found = _teachers(config) + found  # the table's first row, as in the report's own table
     for model in found:
         _check_folder(model)
     return found

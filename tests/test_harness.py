@@ -1,0 +1,147 @@
+"""lm-evaluation-harness on a run folder (``distill_kit/tasks/harness``): the hook scores an exported student and the
+teacher into report.json, the harness's arithmetic exact match is the project's own checker example by example, and
+every bad input is refused before any work. One harness evaluation (24 prompts, two models) serves the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launch import ROOT
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distill_kit.config import HarnessConfig
+from distill_kit.errors import ConfigError
+from distill_kit.run import report, run_config
+from distill_kit.tasks import arithmetic, harness
+from distill_kit.tasks.evaluate import exact_match, generate_answers
+
+TEACHER = ROOT / "distill_kit/assets/arithmetic/teacher"
+PROMPTS = 24
+ARITHMETIC = HarnessConfig(tasks=("distill_kit_arithmetic",), limit=PROMPTS, batch_size=8, examples=PROMPTS)
+
+
+def noisy_student(folder: Path) -> Path:
+    """The arithmetic teacher with seeded noise on every weight: right on about half the prompts (54% of these 24),
+    so a per-example comparison compares both outcomes, and with answers that run on or stop early."""
+    model = AutoModelForCausalLM.from_pretrained(TEACHER)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.5)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TEACHER).save_pretrained(folder)
+    return folder
+
+
+def run_folder(out: Path, students: dict[str, Path] | None = None) -> Path:
+    """A finished run's folder as the CLI leaves it: report.json (the real writer) and students/<name>."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in (students or {}).items():
+        make(out / "students" / name)
+    names = list(students or {"student": None})
+    evaluations = [{"step": 1, "metrics": {"teacher": {"perplexity": 1.5}, **{n: {"perplexity": 2.0} for n in names}}}]
+    report.write(out, {"teacher": str(TEACHER)}, {n: "forward_kl" for n in names}, {n: [] for n in names},
+                 evaluations, {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    out = run_folder(tmp_path_factory.mktemp("run"), {"noisy": noisy_student})
+    summary = harness.add_to_report(out, harness.evaluate_run(out, ARITHMETIC))
+    return out, summary
+
+
+def test_the_hook_scores_each_student_and_the_teacher_into_report_json(scored):
+    out, summary = scored
+    saved = json.loads((out / "report.json").read_text())
+    models = saved["harness"]["models"]
+    assert list(models) == ["teacher", "noisy"]  # the teacher once, then each exported student
+    assert models["teacher"]["role"] == "teacher" and models["noisy"]["role"] == "student"
+    assert models["teacher"]["results"]["distill_kit_arithmetic"]["exact_match,none"] == 1.0  # it learned the task
+    assert 0.2 < models["noisy"]["results"]["distill_kit_arithmetic"]["exact_match,none"] < 0.8
+    assert models["noisy"]["n"] == {"distill_kit_arithmetic": PROMPTS} and models["noisy"]["apply_chat_template"]
+    assert saved["harness"]["settings"]["tasks"] == ["distill_kit_arithmetic"]
+    assert saved["summary"]["harness"] == summary["harness"]
+    assert summary["harness"]["models"]["teacher"] == {"distill_kit_arithmetic exact_match": 1.0}
+    assert saved["summary"]["students"]["noisy"]["perplexity"] == 2.0  # the run's own report is kept
+    printed = report.table(summary)
+    assert "lm-evaluation-harness 0.4.13" in printed and "distill_kit_arithmetic exact_match" in printed
+    assert (out / "harness/noisy/results.json").is_file()
+    assert len((out / "harness/noisy/samples_distill_kit_arithmetic.jsonl").read_text().splitlines()) == PROMPTS
+
+
+def test_harness_exact_match_is_the_projects_checker_example_by_example(scored):
+    """The same prompts, the same model: the harness (HFLM, its chat-template prompt, its stop handling) and the
+    project's own greedy answers and checker agree on every example, answer text included."""
+    out, _ = scored
+    rows = [json.loads(line) for line in (out / "harness/noisy/samples_distill_kit_arithmetic.jsonl").open()]
+    rows.sort(key=lambda row: row["doc_id"])
+    items = list(arithmetic.examples(arithmetic.split_seeds(ARITHMETIC.seed)["heldout"], PROMPTS))
+    model = AutoModelForCausalLM.from_pretrained(out / "students/noisy")
+    tokenizer = AutoTokenizer.from_pretrained(out / "students/noisy")
+    answers = generate_answers(model, tokenizer, items, max_new_tokens=32)
+    ours = [arithmetic.check(item.prompt, answer) for item, answer in zip(items, answers, strict=True)]
+    assert [row["exact_match"] == 1.0 for row in rows] == ours
+    assert [row["response"] for row in rows] == answers
+    assert 0 < sum(ours) < len(ours)  # both outcomes compared
+    assert exact_match(model, tokenizer, items) == pytest.approx(sum(ours) / len(ours))
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch):
+    empty = run_folder(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="no exported student"):
+        harness.evaluate_run(empty, ARITHMETIC)
+    with pytest.raises(ConfigError, match="no report.json"):
+        harness.evaluate_run(tmp_path / "nowhere", ARITHMETIC)
+    with pytest.raises(ConfigError, match=r"unknown task 'distill_kit_arithmetik' \(did you mean "
+                                          r"'distill_kit_arithmetic'\?\)"):
+        harness.evaluate_run(empty, HarnessConfig(tasks=("distill_kit_arithmetik",)))
+    assert not (empty / "harness").exists()
+
+    def remote_code(folder: Path) -> None:  # a config asking for the folder's own Python
+        AutoModelForCausalLM.from_pretrained(TEACHER).save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"auto_map": {"AutoModelForCausalLM": "m.M"}}))
+
+    def pickled(folder: Path) -> None:  # weights only as a pickle
+        AutoModelForCausalLM.from_pretrained(TEACHER).save_pretrained(folder, safe_serialization=False)
+        for file in folder.glob("*.safetensors"):
+            file.unlink()
+
+    for make, message in ((remote_code, "auto_map"), (pickled, "safetensors only")):
+        out = run_folder(tmp_path / make.__name__, {"s": make})
+        with pytest.raises(ConfigError, match=message):
+            harness.evaluate_run(out, ARITHMETIC, teacher=False)
+        assert not (out / "harness").exists()
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'distill-kit\[eval\]'"):
+        harness.evaluate_run(empty, ARITHMETIC)
+
+
+def test_settings_are_checked_and_read_from_the_run_config():
+    with pytest.raises(ConfigError, match="eval.harness.limit: 0"):
+        run_config.load(None, ["--eval.harness.limit", "0"])
+    with pytest.raises(ConfigError, match="did you mean 'eval.harness.tasks'"):
+        run_config.load(None, ["--eval.harness.task", "[gsm8k]"])
+    config = run_config.load(None, ["--eval.harness.tasks", "[distill_kit_arithmetic, gsm8k]"])
+    assert config.eval.harness.tasks == ("distill_kit_arithmetic", "gsm8k")
+    assert run_config.load(None, []).eval.harness.tasks == ()  # off by default
+
+
+def test_offline_sets_and_restores_the_hubs_flags(monkeypatch):
+    import datasets
+    import huggingface_hub.constants as hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    with harness.offline(True):
+        assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
+        assert hub.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before and "HF_HUB_OFFLINE" not in os.environ
