@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts run together in right-padded batches of at most this many tokens")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--test-faults", action="store_true", help=argparse.SUPPRESS)  # tests: POST /test/fault
+    parser.add_argument("--bind-when-exists", type=Path, help=argparse.SUPPRESS)  # tests: a restart, loaded ahead
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(Scorer(model, torch.device(args.device), args.max_batch_tokens), info, api_key=args.api_key,
                     test_faults=args.test_faults)
     import uvicorn
+
+    while args.bind_when_exists is not None and not args.bind_when_exists.exists():
+        time.sleep(0.05)
 
     LOG.info("serving %s (vocabulary %d, tokenizer %s) on http://%s:%d", info["model"], info["vocab_size"],
              (info["tokenizer_sha256"] or "none")[:12], args.host, args.port)

@@ -1,12 +1,14 @@
 """A served teacher against the project's own server, started as a real process on 127.0.0.1 (no mock of HTTP).
 
-One server (the shipped default teacher, fp32 on the CPU) serves the file; it is killed and restarted once, for the
-death-and-restart test, and always killed at the end. Checked: its targets equal the in-process teacher's top-k
+One server (the shipped default teacher, fp32 on the CPU) serves the file; it is killed and replaced once, for the
+death-and-restart test, by a second server process loaded meanwhile (binding the port when told), and every server
+is killed at the end. Checked: its targets equal the in-process teacher's top-k
 (bitwise through the binary endpoint, which scores the micro-batch as one padded batch as the in-process forward
 does; within a float32 bound through the vLLM-compatible JSON, scored a prompt at a time), so the losses equal too;
 a tokenizer other than the server's refused before anything is built; every fault (slow, empty, truncated,
 non-JSON, other tokens, another k, down at start, died and restarted, gone for good); the vLLM and SGLang fixtures,
-written from their schemas, parse to the same targets. About 40 s on 2 CPU cores, most of it two server starts.
+written from their schemas, parse to the same targets. About 50 s on 2 shared CPU cores, most of it imports and the
+server's start.
 """
 
 from __future__ import annotations
@@ -52,16 +54,32 @@ def free_port() -> int:
 class Server:
     """scripts/serve_teacher.py as a subprocess: start (waiting for /health), kill."""
 
-    def __init__(self, port: int):
-        self.port, self.process = port, None
+    def __init__(self, port: int, go: Path):
+        self.port, self.process, self.spare, self.go = port, None, None, go
         self.url = f"http://127.0.0.1:{port}"
 
-    def start(self) -> Server:
-        self.process = subprocess.Popen(
+    def launch(self, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), str(TEACHER), "--port", str(self.port),
              "--api-key", KEY, "--device", "cpu", "--dtype", "fp32", "--max-k", "64", "--threads",
-             str(torch.get_num_threads()), "--test-faults"],
+             str(torch.get_num_threads()), "--test-faults", *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ | {"PYTHONPATH": str(ROOT)})
+
+    def prepare_restart(self) -> None:
+        """A second server process, loading now, that binds the same port once ``restart`` says so: the restart
+        test then waits ~1 s for it, not a whole start-up."""
+        self.spare = self.launch("--bind-when-exists", str(self.go))
+
+    def start(self) -> Server:
+        self.process = self.launch()
+        return self.wait()
+
+    def restart(self) -> Server:
+        self.process, self.spare = self.spare, None
+        self.go.touch()
+        return self.wait()
+
+    def wait(self) -> Server:
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -81,6 +99,13 @@ class Server:
             self.process.wait(timeout=30)
         self.process = None
 
+    def kill_all(self) -> None:
+        self.kill()
+        if self.spare is not None and self.spare.poll() is None:
+            self.spare.kill()
+            self.spare.wait(timeout=30)
+        self.spare = None
+
     def fault(self, mode: str, **kwargs) -> None:
         reply = httpx.post(self.url + "/test/fault", json={"mode": mode, **kwargs},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
@@ -88,13 +113,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     os.environ[KEY_ENV] = KEY
-    srv = Server(free_port())
+    srv = Server(free_port(), tmp_path_factory.mktemp("served") / "restart")
     try:
-        yield srv.start()
+        srv.start()
+        srv.prepare_restart()
+        yield srv
     finally:
-        srv.kill()
+        srv.kill_all()
         os.environ.pop(KEY_ENV, None)
 
 
@@ -300,7 +327,7 @@ def test_a_server_that_dies_is_waited_for_and_one_that_stays_down_stops_the_run(
     thread.start()
     time.sleep(1)
     assert thread.is_alive()  # retrying, not failed
-    server.start()
+    server.restart()
     thread.join(timeout=60)
     assert torch.equal(result["out"].log_probs, before.log_probs) and torch.equal(result["out"].ids, before.ids)
     served.close()
