@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts run together in right-padded batches of at most this many tokens")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--test-faults", action="store_true", help=argparse.SUPPRESS)  # tests: POST /test/fault
+    parser.add_argument("--random-weights", action="store_true", help=argparse.SUPPRESS)  # benchmarks: shape only
     parser.add_argument("--bind-when-exists", type=Path, help=argparse.SUPPRESS)  # tests: a restart, loaded ahead
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
@@ -59,7 +60,17 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     device = torch.device(args.device)
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     config = models.model_config(args.model)
-    model = fp8.load_teacher(args.model, {}, dtype, fp8.resolve(args.precision, dtype), False, device, config=config)
+    if args.random_weights:  # a folder with only config.json: the benchmarks' shape-only teachers
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=models.TORCH_DTYPES[dtype])
+        if fp8.resolve(args.precision, dtype) == "fp8":
+            model = fp8.load(model, device)
+    else:
+        model = fp8.load_teacher(args.model, {}, dtype, fp8.resolve(args.precision, dtype), False, device,
+                                 config=config)
     if getattr(model, "teacher_precision", None) != "fp8":
         model = model.to(device)
     model.requires_grad_(False).eval()

@@ -1,0 +1,218 @@
+"""A served teacher against the in-process one: tokens/s of the student's step, and what parsing a response costs.
+
+Two parts, in one launch:
+
+1. ``parse``: a response for 32 x 1,024 positions at k = 64 (2M entries), as vLLM's JSON (``prompt_logprobs``, the
+   serialisation ``served_protocol.parse_vllm`` reads) and as the project's binary ``/v1/topk`` body: bytes, and the
+   CPU seconds to parse each into targets (median of ``--repeats``).
+2. ``step``: the same student step (forward, forward-KL, backward, AdamW) fed by (a) the teacher in process on the
+   same GPU (dense logits, the Distiller's default path), (b) the same teacher served by ``scripts/serve_teacher.py``
+   in its own process on the same GPU (``--random-weights``: the shape, random weights, as ``pairs.py`` builds it)
+   at each ``--k``, without and with ``ServedTeacher.prefetch`` (the next micro-batch's request sent before the
+   student's step on this one). Reported: tokens/s, served / in-process, and the share of the step spent waiting on
+   the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
+
+GPU (one H200; the issue's acceptance: 7B-shaped teacher -> 0.5B student, 1,024 tokens)::
+
+    python benchmarks/bench_served.py --pair qwen2-7b-0.5b --seq-len 1024 --micro-batch 8 --k 20 64 --out runs/served
+
+CPU smoke (tiny shapes, seconds)::
+
+    python benchmarks/bench_served.py --pair tiny --seq-len 32 --micro-batch 2 --steps 3 --warmup 1 --k 8 \\
+        --device cpu --dtype fp32 --parse-positions 2048 --out /tmp/served
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pairs  # a sibling in benchmarks/
+import torch
+
+from distill_kit.config import TeacherSpec
+from distill_kit.teachers import served_protocol as protocol
+from distill_kit.teachers.base import TeacherSetup
+from distill_kit.teachers.kinds import describe
+from distill_kit.teachers.served import ServedTeacher
+from losses import build_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen2-7b-0.5b", choices=sorted(pairs.PAIRS))
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--k", type=int, nargs="+", default=[20, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--rows-per-request", type=int, default=8)
+    parser.add_argument("--parse-positions", type=int, default=32 * 1024, help="positions in the parse test")
+    parser.add_argument("--parse-k", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-step", action="store_true", help="the parse part only")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------------- parse
+
+
+def parse_cost(positions: int, k: int, repeats: int, vocab: int = 151_936) -> dict[str, Any]:
+    """One response of ``positions`` targets at ``k``, as vLLM JSON and as the binary body: size and parse time."""
+    rng = np.random.default_rng(0)
+    length = min(positions, 1024)
+    prompts = [rng.integers(0, vocab, length + 1).tolist() for _ in range(max(1, positions // length))]
+    n = sum(len(p) - 1 for p in prompts)
+    ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]).astype(np.int32)
+    values = np.sort(np.log(rng.dirichlet(np.ones(k * 4), n)[:, :k]).astype(np.float32), axis=-1)[:, ::-1]
+    tails = protocol.derived_tail(values)
+    choices, row = [], 0
+    for index, prompt in enumerate(prompts):
+        positions_json: list[Any] = [None]
+        for j in range(1, len(prompt)):
+            entry = {str(int(t)): {"logprob": float(v), "rank": r + 1, "decoded_token": None}
+                     for r, (t, v) in enumerate(zip(ids[row], values[row], strict=True))}
+            entry.setdefault(str(prompt[j]), {"logprob": float(values[row, -1]) - 1.0, "rank": k + 5,
+                                              "decoded_token": None})
+            positions_json.append(entry)
+            row += 1
+        choices.append({"index": index, "text": "", "prompt_logprobs": positions_json, "prompt_token_ids": prompt})
+    body_json = json.dumps({"object": "text_completion", "model": "m", "choices": choices}).encode()
+    body_bin = protocol.encode_topk(prompts, k, ids, values, tails)
+
+    def timed(api: str, body: bytes) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            protocol.parse(api, body, prompts, k)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    json_s, bin_s = timed("vllm", body_json), timed("distill_kit", body_bin)
+    return {"positions": n, "k": k, "json_bytes": len(body_json), "binary_bytes": len(body_bin),
+            "json_parse_s": json_s, "binary_parse_s": bin_s, "json_over_binary": json_s / max(bin_s, 1e-9)}
+
+
+# ----------------------------------------------------------------------------------------------------- step
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def batches(count: int, batch: int, length: int, vocab: int, device: torch.device) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, length), generator=g)
+        out.append({"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+                    "labels": ids.to(device)})
+    return out
+
+
+def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None) -> float:
+    """Seconds of the steps after ``warmup``; ``teacher_of(batch)`` gives the teacher's output, ``prefetch(batch)``
+    the early request for the next micro-batch (sent before the student's step on this one)."""
+    start = time.perf_counter()
+    for i, batch in enumerate(data):
+        if i == warmup:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            start = time.perf_counter()
+        teacher_out = teacher_of(batch)
+        if prefetch is not None and i + 1 < len(data):
+            prefetch(data[i + 1])
+        out = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        value = loss(out, teacher_out, batch).total
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    device, pair = torch.device(args.device), pairs.PAIRS[args.pair]
+    data = batches(args.warmup + args.steps, args.micro_batch, args.seq_len, pair.student.vocab_size, device)
+    tokens = args.steps * args.micro_batch * args.seq_len
+    student = pairs.build(pair.student, {}, args.dtype, device, "sdpa")
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
+    loss = build_loss({"name": "forward_kl", "chunk_size": 1024})
+    results: dict[str, Any] = {}
+
+    teacher = pairs.build(pair.teacher, {}, args.dtype, device, "sdpa").eval().requires_grad_(False)
+    def in_process(batch):
+        with torch.no_grad():
+            return teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    wall = run_steps(student, optimizer, loss, data, args.warmup, in_process)
+    results["in_process"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+    teacher = None  # its memory back before the server takes the GPU
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    with tempfile.TemporaryDirectory() as folder:
+        pair.teacher.save_pretrained(folder)
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
+             str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
+            env=os.environ | {"PYTHONPATH": str(ROOT)})
+        try:
+            for k in args.k:
+                for prefetch in (False, True):
+                    spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}",
+                                       options={"k": k, "wait_s": 900, "rows_per_request": args.rows_per_request,
+                                                "timeout_s": 600})
+                    served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
+                    waited = [0.0]
+
+                    def teacher_of(batch, served=served, waited=waited, data=data):
+                        if batch is data[args.warmup]:
+                            waited[0] = served.waited_s  # the timed steps' wait only
+                        return served.forward(batch)
+
+                    wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
+                                     served.prefetch if prefetch else None)
+                    name = f"served_k{k}" + ("_prefetch" if prefetch else "")
+                    results[name] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps,
+                                     "waiting_share": (served.waited_s - waited[0]) / wall,
+                                     "vs_in_process": results["in_process"]["step_s"] / (wall / args.steps)}
+                    served.close()
+        finally:
+            server.kill()
+            server.wait(timeout=60)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+                              "parse": parse_cost(args.parse_positions, args.parse_k, args.repeats)}
+    print(json.dumps(report["parse"], indent=1), flush=True)
+    if not args.skip_step:
+        report["step"] = step_benchmark(args)
+        print(json.dumps(report["step"], indent=1), flush=True)
+    (args.out / "served.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
