@@ -240,7 +240,7 @@ def _args(root: Path, out: Path, students: str) -> list[str]:
 
 def _check_cuts(config):
     """The CLI's start-up check of every ``init_from_teacher``, as it reports problems."""
-    problems = validate.check_cuts(validate.Start(config, resume=False, identity={}))
+    problems = validate.check_plan(validate.Start(config, resume=False, identity={}))
     if problems:
         raise ConfigError("\n".join(problems))
 

@@ -43,15 +43,26 @@ def _start(setup, *args: str, resume: bool = False) -> validate.Start:
 
 
 def test_rows_longer_than_a_models_positions_are_refused_naming_the_model_and_the_fix(setup):
-    assert validate.check_positions(_start(setup, "data.block_size=64")) == []
-    problem, student = validate.check_positions(_start(setup, "data.block_size=65"))  # the student is as wide
+    assert validate.check_plan(_start(setup, "data.block_size=64")) == []
+    student, problem = validate.check_plan(_start(setup, "data.block_size=65"))  # the student is as wide
     assert student.startswith("data.block_size: 65 tokens per row, but students[s] reads at most 64")
-    assert problem == ("data.block_size: 65 tokens per row, but teacher reads at most 64 positions "
+    assert problem == ("data.block_size: 65 tokens per row, but teachers[teacher] reads at most 64 positions "
                        "(max_position_embeddings in its config): set data.block_size to 64 or less")
-    narrow = _start(setup, "data.block_size=48", "--students", "[{name: short, init: {n_positions: 40, n_layer: 1}}]")
-    (problem,) = validate.check_positions(narrow)
+    narrow = _start(setup, "data.block_size=40", "--students", "[{name: short, init: {n_positions: 40, n_layer: 1}}]")
+    assert validate.check_plan(narrow) == []
+    wide = _start(setup, "data.block_size=48", "--students", "[{name: short, init: {n_positions: 40, n_layer: 1}}]")
+    (problem,) = validate.check_plan(wide)
     assert problem.startswith("data.block_size: 48 tokens per row, but students[short] reads at most 40 positions")
-    assert validate.row_limit(narrow.config) == 40  # the on-policy samples' row limit: the fewest positions
+
+
+def test_the_plan_sets_and_checks_the_on_policy_row_limit_against_every_model(setup):
+    chat = [f"data.train={setup['root'] / 'chat.jsonl'}", "training.on_policy.fraction=0.5",
+            "--students", "[{name: short, init: {n_positions: 40, n_layer: 1}}]"]
+    start = _start(setup, *chat)
+    assert validate.check_plan(start) == []
+    assert start.plan.training.on_policy.max_length == 40  # the fewest positions among the run's models
+    (problem,) = validate.check_plan(_start(setup, *chat, "training.on_policy.max_length=41"))
+    assert problem.startswith("training.on_policy.max_length: 41 tokens, but students[short] reads at most 40")
 
 
 # ---- 4 and 5: settings that need no training, found before the claim ----------------------------------------
@@ -139,7 +150,7 @@ def test_resume_on_another_rank_count_is_refused_before_any_engine(setup, monkey
     out = Path(start.config.output_dir)
     from distill_kit.run import output_dir
     output_dir.check(out, start.identity, resume=False)
-    written = checkpoint.save(start.config.training.checkpoint_dir, {}, step=3, trainer_state={}, rank_state={},
+    written = checkpoint.save(start.checkpoint_dir(), {}, step=3, trainer_state={}, rank_state={},
                               teacher_sha256=None, keep_last=1)
     assert validate.check_output_dir(start) == []
     monkeypatch.setattr(validate.distributed, "world_size", lambda: 4)

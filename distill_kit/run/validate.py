@@ -53,7 +53,12 @@ class Start:
     """What must not change across a resume (``cli.run_identity``)."""
     plan: Plan | None = None
     """None until ``check_plan`` made it, or when it could not be made (its problems are reported)."""
-    data: DataFacts = field(default_factory=DataFacts)
+    data: DataFacts | None = None
+    """What the data is (``run_config.data_facts``: decided once, by the caller; made here when not given)."""
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = run_config.data_facts(self.config)
 
     def students(self) -> dict[str, PretrainedConfig | None]:
         """Each student's model config, as the plan derived it (none without a plan)."""
@@ -289,8 +294,10 @@ def check_on_policy(start: Start) -> list[str]:
         problems.append(f"training.on_policy.sampler: teacher samples from the first teacher "
                         f"({config.teachers[0].name}), whose weight is 0: the student would learn from samples of a "
                         "teacher its loss ignores. List a teacher with weight > 0 first")
+    if start.plan is None and check_plan(start):
+        return problems  # the plan's own problems are check_plan's to report
     plan = start.plan
-    if plan is None:
+    if plan is None:  # across tokenizers: the plan is made once the vocabulary map exists
         return problems
     teacher_card = next(iter(plan.cards.values()), None)
     student = plan.student_configs.get(config.students[0].name)

@@ -54,6 +54,8 @@ class TeacherCard:
     """What its forward can return (of :data:`OUTPUTS`)."""
     can_generate: bool = False
     """It can write samples (``training.on_policy.sampler: teacher``)."""
+    engine: bool = False
+    """It runs as a DeepSpeed engine in the training processes: the plan resolves a DeepSpeed config for it."""
     vocab_size: int | None = None
     """Rows of its logits (may be padded past the tokenizer's)."""
     tokenizer: str | None = None

@@ -38,7 +38,7 @@ class EngineTeacher(Teacher):
         folder = Path(model) if isinstance(model, str | Path) and Path(model).is_dir() else None
         return TeacherCard(
             kind=cls.kind, source=str(model) if isinstance(model, str | Path) else type(model).__name__,
-            outputs=frozenset(outputs), can_generate=True, vocab_size=getattr(text, "vocab_size", None),
+            outputs=frozenset(outputs), can_generate=True, engine=True, vocab_size=getattr(text, "vocab_size", None),
             tokenizer=str(model) if folder is not None and models.has_tokenizer(folder) else None,
             positions=positions(config), hidden_size=facts["hidden_size"], num_layers=facts["num_layers"],
             eos_token_id=end_token(models.generation_config(model), config), model_type=model_type, config=config)

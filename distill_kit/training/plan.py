@@ -358,16 +358,19 @@ def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[Teach
                        student_configs: Mapping[str, Any], cards: Mapping[str, TeacherCard],
                        training: TrainingConfig, deepspeed: DeepSpeedSettings, world_size: int,
                        alone: bool) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """Every engine's DeepSpeed config, each "auto" filled from the run; all problems at once."""
-    return prepare(
+    """Every engine's DeepSpeed config, each "auto" filled from the run; all problems at once. A teacher that is no
+    engine (a store, a server) gets none."""
+    engines = [t for t in teachers if cards[t.name].engine]
+    students_ds, teachers_ds = prepare(
         {s.name: TrainedConfig(s.ds_config or deepspeed.student, s.training(training),
                                models.facts(student_configs[s.name])["hidden_size"],
                                {**deepspeed.student_overrides, **s.ds_overrides}) for s in students},
         {t.name: FrozenConfig(t.ds_config or deepspeed.teacher, cards[t.name].hidden_size,
-                              {**deepspeed.teacher_overrides, **t.ds_overrides}) for t in teachers},
+                              {**deepspeed.teacher_overrides, **t.ds_overrides}) for t in engines},
         world_size=world_size,
         labels={s.name: "student" if alone else f"student {s.name!r}" for s in students}
-        | {t.name: "teacher" if len(teachers) == 1 else f"teacher {t.name!r}" for t in teachers})
+        | {t.name: "teacher" if len(teachers) == 1 else f"teacher {t.name!r}" for t in engines})
+    return students_ds, {t.name: teachers_ds.get(t.name, {}) for t in teachers}
 
 
 def _engine_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
