@@ -103,7 +103,7 @@ def _report(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "report.json"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no report.json: give the output_dir of a finished run "
-                          "(python scripts/evaluate.py runs/<the run>)")
+                          "(python scripts/evaluate_run.py runs/<the run>)")
     return json.loads(path.read_text())
 
 

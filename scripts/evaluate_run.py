@@ -1,9 +1,9 @@
 """Score a finished run's exported students (and, once, its teacher) with lm-evaluation-harness; the scores go into
 the run's report.json and its table. The settings are the run's own eval.harness, each overridable here:
 
-    python scripts/evaluate.py runs/arith --tasks distill_kit_arithmetic,distill_kit_sorting --limit 100
-    python scripts/evaluate.py runs/qwen-small --tasks gsm8k --offline false    # the harness's own tasks (network)
-    python scripts/evaluate.py runs/qwen-small --teacher false                  # students only
+    python scripts/evaluate_run.py runs/arith --tasks distill_kit_arithmetic,distill_kit_sorting --limit 100
+    python scripts/evaluate_run.py runs/qwen-small --tasks gsm8k --offline false    # the harness's own tasks (network)
+    python scripts/evaluate_run.py runs/qwen-small --teacher false                  # students only
 
 Keys (as in the run config's eval.harness): tasks, num_fewshot, limit, batch_size, teacher, apply_chat_template,
 offline, examples, seed. Needs lm-eval: pip install 'distill-kit[eval]'. docs/run.md#lm-evaluation-harness.
