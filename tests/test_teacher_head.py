@@ -6,6 +6,7 @@ replicated here and under ZeRO-3 in a one-rank worker."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -17,7 +18,11 @@ from tolerances import SPREAD
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 import losses.fused as fused
-from distill_kit.engines.head import teacher_head_forward, why_not_teacher_head
+from distill_kit.config import TeacherSpec, TrainingConfig
+from distill_kit.engines.head import teacher_head_forward
+from distill_kit.teachers import HEAD
+from distill_kit.teachers.engine import EngineTeacher
+from distill_kit.training.plan import why_not_head_at_loss
 from losses import DistillationLoss, LossOutput, WeightedSum, build_loss
 from losses.fused import HeadOutput
 
@@ -208,18 +213,20 @@ def test_a_loss_that_reads_teacher_logits_gets_them_and_a_logit_loss_reuses_them
                                loss(student, SimpleNamespace(logits=teacher_head(teacher_hidden)), batch).total)
 
 
-def test_why_not_teacher_head():
-    model = GPT2LMHeadModel(gpt2_config(width=16, layers=1))
+def test_the_plan_says_why_a_teacher_keeps_its_head():
+    """The plan's rule (``plan.why_not_head_at_loss``), read from the teacher's card: no model is loaded."""
+    card = EngineTeacher.describe(TeacherSpec(name="t", model=GPT2LMHeadModel(gpt2_config(width=16, layers=1))))
+    on, off = TrainingConfig(), TrainingConfig(teacher_head_at_loss=False)
     kl = build_loss("forward_kl")
-    assert why_not_teacher_head(model, kl, enabled=True) is None
-    assert why_not_teacher_head(model, [kl, build_loss("cross_entropy")], enabled=True) is None
-    assert "training.teacher_head_at_loss is off" in why_not_teacher_head(model, kl, enabled=False)
-    assert "LogitsNorm reads the teacher's full logits" in why_not_teacher_head(model, [kl, LogitsNorm()], True)
+    assert why_not_head_at_loss(card, [kl], on, "sum") is None
+    assert why_not_head_at_loss(card, [kl, build_loss("cross_entropy")], on, "sum") is None
+    assert "training.teacher_head_at_loss is off" in why_not_head_at_loss(card, [kl], off, "sum")
+    assert "LogitsNorm" in why_not_head_at_loss(card, [kl, LogitsNorm()], on, "sum")
     mixed = WeightedSum([("kl", 1.0, kl), ("norm", 1.0, LogitsNorm())])
-    assert "WeightedSum reads the teacher's full logits" in why_not_teacher_head(model, mixed, True)
-    model.config.model_type = "gemma2"  # soft-caps its logits after the head
-    assert "'gemma2'" in why_not_teacher_head(model, kl, enabled=True)
-    assert "None" in why_not_teacher_head(torch.nn.Linear(2, 2), kl, enabled=True)  # not a Hugging Face model
+    assert "WeightedSum" in why_not_head_at_loss(card, [mixed], on, "sum")
+    assert "combine: mixture" in why_not_head_at_loss(card, [kl], on, "mixture")
+    gemma = dataclasses.replace(card, outputs=card.outputs - {HEAD}, model_type="gemma2")  # soft-caps after the head
+    assert "known to apply exactly only for model types" in why_not_head_at_loss(gemma, [kl], on, "sum")
 
 
 @pytest.mark.parametrize("make", [lambda: GPT2LMHeadModel(gpt2_config(width=16, layers=2)),

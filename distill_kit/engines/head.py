@@ -14,7 +14,7 @@ the largest tensor of a teacher forward, are never built (``losses/chunked.py:he
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,32 +77,6 @@ class GatheredHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight, self.bias)
-
-
-def why_not_teacher_head(model: nn.Module, losses: nn.Module | Iterable[nn.Module], enabled: bool) -> str | None:
-    """None when a teacher may run without its output head, the losses applying it; otherwise the reason, for the log.
-
-    ``model`` is the teacher as loaded or as built (a module, a ZeRO-3 ``DeepSpeedEngine``, an FP8 module);
-    ``losses`` one loss or every loss that reads this teacher (each student's; a combination of teachers is
-    one loss); ``enabled`` is ``training.teacher_head_at_loss``. Unlike the student's head, a ZeRO-3 teacher's
-    may be partitioned: :func:`teacher_head_forward` gathers it.
-    """
-    if not enabled:
-        return "training.teacher_head_at_loss is off"
-    for loss in [losses] if isinstance(losses, nn.Module) else list(losses):
-        if not getattr(loss, "takes_teacher_head", False):
-            return (f"loss {type(loss).__name__} reads the teacher's full logits (it does not set "
-                    "takes_teacher_head)")
-    model = _unwrapped(model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in EXACT_HEADS:
-        return (f"the teacher's head is known exact at the loss only for model types {sorted(EXACT_HEADS)}, "
-                f"not {model_type!r}")
-    body = getattr(model, "base_model", model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if body is model or not isinstance(head, nn.Linear):
-        return "the teacher has no separate body and linear output head"
-    return None
 
 
 def teacher_head_forward(model_or_engine: nn.Module, **inputs: Any) -> HeadOutput:
