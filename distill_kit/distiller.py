@@ -210,6 +210,8 @@ class Distiller(Trainer):
         the loop skips the step when every student discarded it (``nonfinite.py``).
         """
         teacher_out = self.teacher_forward(batch) if self.needs_teacher else None
+        if self.needs_teacher and self.upcoming is not None and self.plan.combine != "route":
+            self.teachers.prefetch(self.teacher_inputs(self.upcoming))  # a server's answers arrive during the step
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
         losses = {}
         for name, student in self.students.items():
@@ -252,7 +254,8 @@ class Distiller(Trainer):
     def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, dict[str, float]]:
         """``{"teacher": {...}, <student>: {...}}`` over all ranks: perplexities, top-1 agreement and mean KL
         against the teacher (several teachers: their weighted mixture). The one-line case's student is
-        ``"student"``. One teacher pass per batch."""
+        ``"student"``. One teacher pass per batch; none for teachers with no full distribution (a store, a
+        server: top-k targets), whose run reports each student's own perplexity only."""
         if not len(self.teachers):
             raise ConfigError("evaluate() compares students with a teacher, and this run has none")
         forwards = {student.key or "student": partial(self._forward, student=student)
@@ -261,8 +264,9 @@ class Distiller(Trainer):
         for engine in engines:
             engine.eval()
         try:
+            dense = all(card.dense for card in self.plan.cards.values())
             return evaluation.evaluate_students(
-                forwards, lambda batch: self.teachers.mixture(self.teacher_forward(batch)),
+                forwards, (lambda batch: self.teachers.mixture(self.teacher_forward(batch))) if dense else None,
                 batches, self.device, max_batches)
         finally:
             for engine in engines:

@@ -19,3 +19,9 @@ class DeepSpeedConfigError(ValueError):
 
 class CheckpointError(OSError):
     """A checkpoint that could not be written; the message names the folder, the cause, the free space and the fix."""
+
+
+class TeacherUnavailable(RuntimeError):
+    """A teacher outside the training processes (a server) stopped answering for longer than the run waits. The loop
+    stops cleanly on it (a checkpoint of the last whole step, then an exit) and ``--resume`` continues once it is
+    back; the message names the teacher and how long it was waited for."""

@@ -33,7 +33,8 @@ from distill_kit.errors import ConfigError
 from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, TeacherSetup
 from distill_kit.teachers.kinds import describe, kind_of
-from distill_kit.teachers.served import ServedTeacher, prompts_of, tokenizer_problems
+from distill_kit.teachers.served import ServedTeacher, prompts_of
+from distill_kit.teachers.tokenizers import fingerprint_problems
 from losses import build_loss
 from losses.sparse import SparseTeacherLogits
 
@@ -223,7 +224,7 @@ def test_card_reports_the_servers_model(server):
                                                                      "tokenizer": str(TEACHER)}))
     assert card.kind == "served" and card.outputs == frozenset({TOP_K, TOP_K_TAIL}) and not card.can_generate
     assert card.vocab_size == 1024 and card.tokenizer == str(TEACHER) and card.num_layers == 8
-    assert tokenizer_problems(card, str(TEACHER)) == []
+    assert fingerprint_problems([("t", card)], str(TEACHER)) == []
     with pytest.raises(ConfigError, match="refused the API key"):
         describe(TeacherSpec(name="t", model=server.url, options={"wait_s": 0}))
 
@@ -284,7 +285,8 @@ def test_another_tokenizer_is_refused_before_anything_is_built(server, tmp_path)
     with pytest.raises(ConfigError, match="tokenizer.*is not options.tokenizer's"):
         describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "tokenizer": str(other)}))
     card = describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV}))
-    assert tokenizer_problems(card, str(other)) and "differs" in tokenizer_problems(card, str(other))[0]
+    (problem,) = fingerprint_problems([("t", card)], str(other))
+    assert "differs" in problem
     assert list(tmp_path.iterdir()) == [other]  # nothing written
 
 

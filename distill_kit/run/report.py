@@ -39,11 +39,12 @@ def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any
     baselines = [n for n in no_teacher_students(losses) if inits.get(n, "random") == "random"]
     across = across_tokenizers(final)
     metric = "bits_per_byte" if across else "perplexity"  # what compares with the teacher
-    teacher = final["teacher"][metric]
-    summary: dict[str, Any] = {"teacher_perplexity": final["teacher"]["perplexity"], "students": {},
+    own = final.get("teacher", {})  # none when the teachers give top-k targets only (a store, a server)
+    teacher = own.get(metric)
+    summary: dict[str, Any] = {"teacher_perplexity": own.get("perplexity"), "students": {},
                                "comparable": ["bits_per_byte"] if across else ["perplexity", "bits_per_byte"]}
-    if "bits_per_byte" in final["teacher"]:
-        summary["teacher_bits_per_byte"] = final["teacher"]["bits_per_byte"]
+    if "bits_per_byte" in own:
+        summary["teacher_bits_per_byte"] = own["bits_per_byte"]
     for name in losses:
         row = dict(final[name])
         if name in inits:
@@ -53,7 +54,8 @@ def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any
             row["no_teacher_perplexity"] = base
             row["perplexity_reduction_vs_no_teacher"] = 1.0 - row["perplexity"] / base
             ours, theirs = row[metric], final[baselines[0]][metric]
-            row["gap_closed"] = (theirs - ours) / (theirs - teacher) if theirs != teacher else float("nan")
+            if teacher is not None:
+                row["gap_closed"] = (theirs - ours) / (theirs - teacher) if theirs != teacher else float("nan")
             if "bits_per_byte" in row:
                 row["no_teacher_bits_per_byte"] = final[baselines[0]]["bits_per_byte"]
         summary["students"][name] = row
@@ -73,7 +75,7 @@ def _cell(row: Mapping[str, Any], key: str, width: int, digits: int) -> str:
 
 def table(summary: Mapping[str, Any]) -> str:
     across = "perplexity" not in summary.get("comparable", ["perplexity"])
-    teacher = {} if across else {"perplexity": summary["teacher_perplexity"]}  # its tokens are not the students'
+    teacher = {} if across or summary["teacher_perplexity"] is None else {"perplexity": summary["teacher_perplexity"]}
     if "teacher_bits_per_byte" in summary:
         teacher["bits_per_byte"] = summary["teacher_bits_per_byte"]
     ppl = "ppl own tok" if across else "held-out ppl"
@@ -88,7 +90,7 @@ def table(summary: Mapping[str, Any]) -> str:
                          f"{row['no_teacher_bits_per_byte']:.4f} without the teacher (teacher: "
                          f"{summary['teacher_bits_per_byte']:.4f}"
                          + (f"; {100 * row['gap_closed']:.1f}% of the gap closed)" if across else ")"))
-        elif "no_teacher_perplexity" in row:
+        elif "gap_closed" in row:
             lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
                          f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower; "
                          f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
@@ -121,14 +123,15 @@ def plot(path: Path, histories: Mapping[str, Sequence[Mapping[str, float]]],
     left.set(title="training loss (each student's own objective)", xlabel="optimizer step", ylabel="loss")
     left.legend()
     # Bits per byte where measured: it is the one measure that compares models with different tokenizers.
-    teacher_final = evaluations[-1]["metrics"]["teacher"] if evaluations else {}
+    teacher_final = evaluations[-1]["metrics"].get("teacher", {}) if evaluations else {}
     metric = "bits_per_byte" if "bits_per_byte" in teacher_final else "perplexity"
     for name in histories:
         points = [(e["step"], e["metrics"][name][metric]) for e in evaluations if name in e["metrics"]]
         if points:
             right.plot(*zip(*points, strict=True), marker="o", label=name)
     if evaluations:
-        right.axhline(evaluations[-1]["metrics"]["teacher"][metric], color="k", linestyle="--", label="teacher")
+        if metric in teacher_final:
+            right.axhline(teacher_final[metric], color="k", linestyle="--", label="teacher")
     label = metric.replace("_", " ")
     right.set(title=f"held-out {label}", xlabel="optimizer step", ylabel=label, yscale="log")
     right.legend()

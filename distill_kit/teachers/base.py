@@ -60,6 +60,9 @@ class TeacherCard:
     """Rows of its logits (may be padded past the tokenizer's)."""
     tokenizer: str | None = None
     """A folder or hub name its tokenizer loads from, compared with every student's; None: nothing to compare."""
+    tokenizer_sha256: str | None = None
+    """Its vocabulary's sha256 (``offline/fingerprints.tokenizer_fingerprint``) where it has no folder to compare
+    (a store, a server): compared with the run's tokenizer."""
     positions: int | None = None
     """The longest row it reads (``max_position_embeddings``)."""
     hidden_size: int | None = None
@@ -111,6 +114,11 @@ class Teacher(ABC):
     def forward(self, inputs: Mapping[str, Any]) -> Any:
         """Its outputs on a micro-batch's inputs (``input_ids``, ``attention_mask``, ``position_ids`` when packed,
         ``output_hidden_states`` / ``output_attentions`` when a loss asked), without gradients."""
+
+    def prefetch(self, inputs: Mapping[str, Any]) -> None:
+        """Start on the next micro-batch's ``inputs`` and return at once (a server's request goes out while the
+        students train on this one); ``forward`` on the same inputs then takes the answer. In-process: nothing."""
+        return None
 
     def __call__(self, **inputs: Any) -> Any:
         with torch.no_grad():

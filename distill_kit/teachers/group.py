@@ -62,6 +62,11 @@ class Teachers:
             outputs = {name: teacher.forward(inputs) for name, teacher in self.members.items()}
         return next(iter(outputs.values())) if len(outputs) == 1 else outputs
 
+    def prefetch(self, inputs: Mapping[str, Any]) -> None:
+        """Start every teacher that can (a server) on the next micro-batch's ``inputs``; the others do nothing."""
+        for teacher in self.members.values():
+            teacher.prefetch(inputs)
+
     def routed(self, inputs: Mapping[str, Any], route: torch.Tensor) -> SimpleNamespace:
         """Each row's logits from the teacher ``route`` names for it (vocabularies cut to the smallest).
 

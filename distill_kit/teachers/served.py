@@ -60,7 +60,7 @@ DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokeni
                             "max_in_flight": 4}
 
 __all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
-           "TeacherUnavailable", "is_url", "tokenizer_problems"]
+           "TeacherUnavailable", "is_url"]
 
 
 def is_url(model: object) -> bool:
@@ -76,8 +76,6 @@ class ServedCard(TeacherCard):
     k: int = 20
     served_model: str | None = None
     """The name the server serves the model under (vLLM's ``model`` field)."""
-    tokenizer_sha256: str | None = None
-    """The server's vocabulary's sha256 (``offline/fingerprints.tokenizer_fingerprint``), where it reports one."""
     teacher_sha256: str | None = None
     """The server's weights' sha256 (the project's server), what checkpoints record as the teacher."""
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -347,29 +345,6 @@ def prompts_of(inputs: Mapping[str, Any]) -> list[tuple[int, np.ndarray, np.ndar
     return out
 
 
-def tokenizer_problems(card: TeacherCard, reference: Any, label: str = "the run") -> list[str]:
-    """A served teacher's tokenizer against the run's (a folder or a tokenizer): one problem naming both, or none.
-    For the plan's tokenizer rule where the card has no local folder to compare (``ServedCard.tokenizer_sha256``)."""
-    theirs = getattr(card, "tokenizer_sha256", None)
-    if theirs is None or reference is None:
-        return []
-    ours = _fingerprint(reference)
-    if ours == theirs:
-        return []
-    return [f"the served teacher at {card.source}: its tokenizer (vocabulary sha256 {theirs[:12]}) differs from "
-            f"{label}'s ({ours[:12]}). Logit losses compare token ids: serve a model with the students' tokenizer"]
-
-
-def _fingerprint(source: Any) -> str:
-    from distill_kit.offline.fingerprints import tokenizer_fingerprint
-
-    if isinstance(source, str) or hasattr(source, "__fspath__"):
-        from transformers import AutoTokenizer
-
-        source = AutoTokenizer.from_pretrained(source)
-    return tokenizer_fingerprint(source)
-
-
 def _config(values: Any) -> Any:
     """The server's model config as a ``PretrainedConfig`` (what a fresh student is built from), or None."""
     if not isinstance(values, dict) or "model_type" not in values:
@@ -392,3 +367,12 @@ def _key(inputs: Mapping[str, Any]) -> str:
             digest.update(name.encode())
             digest.update(value.detach().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _fingerprint(source: Any) -> str:
+    """A tokenizer folder's vocabulary sha256, as the server reports its own."""
+    from transformers import AutoTokenizer
+
+    from distill_kit.offline.fingerprints import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(source))

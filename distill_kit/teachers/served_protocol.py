@@ -36,17 +36,14 @@ from typing import Any
 
 import numpy as np
 
+from distill_kit.errors import TeacherUnavailable
+
 APIS = ("distill_kit", "vllm", "sglang")
 MAGIC = b"DKT1"
 """The first bytes of a ``/v1/topk`` response; then a little-endian uint32 header length, the JSON header, arrays."""
 BINARY_MEDIA_TYPE = "application/vnd.distill-kit.topk"
 VLLM_NEG_INF = -9999.0
 """What vLLM sends for a log-probability of -inf (``clamp_prompt_logprobs``)."""
-
-
-class TeacherUnavailable(RuntimeError):
-    """The teacher server stopped answering for longer than the run waits (``retries_s``). A run stops cleanly on
-    it (checkpoint, exit) and resumes with ``--resume`` once the server is back."""
 
 
 class TeacherTimeout(TeacherUnavailable):

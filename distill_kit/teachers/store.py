@@ -41,6 +41,7 @@ class StoreTeacher(Teacher):
         text = config.get_text_config()
         outputs = {TOP_K} | ({TOP_K_TAIL} if tail else set()) | ({HIDDEN_STATES} if store.hidden_layers else set())
         return TeacherCard(kind=cls.kind, source=str(root), outputs=frozenset(outputs), vocab_size=store.vocab_size,
+                           tokenizer_sha256=store.tokenizer_hash,
                            positions=positions(config), hidden_size=text.hidden_size,
                            num_layers=text.num_hidden_layers, eos_token_id=getattr(text, "eos_token_id", None),
                            model_type=config.model_type, config=config)

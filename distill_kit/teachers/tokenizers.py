@@ -35,3 +35,20 @@ def tokenizer_problems(reference: tuple[str, Any], others: Sequence[tuple[str, A
                 "by token id: use teachers and students that share the student's tokenizer (distilling across "
                 "tokenizers, loss cross_tokenizer with student_tokenizer, takes one teacher: teacher:)")
     return problems
+
+
+def fingerprint_problems(cards: Sequence[tuple[str, Any]], reference: Any, label: str = "the run") -> list[str]:
+    """Teachers known by their vocabulary's sha256 only (a store, a server: ``TeacherCard.tokenizer_sha256``)
+    against the run's tokenizer (a folder, a hub name or a tokenizer): one problem naming each that differs."""
+    known = [(name, card) for name, card in cards if card.tokenizer_sha256]
+    if not known or reference is None:
+        return []
+    from transformers import AutoTokenizer
+
+    from distill_kit.offline.fingerprints import tokenizer_fingerprint
+
+    ours = tokenizer_fingerprint(reference if hasattr(reference, "get_vocab") else
+                                 AutoTokenizer.from_pretrained(reference))
+    return [f"{name} ({card.kind} teacher {card.source}): its tokenizer (vocabulary sha256 "
+            f"{card.tokenizer_sha256[:12]}) differs from {label}'s ({ours[:12]}). Logit losses compare token ids: "
+            "use a teacher with the students' tokenizer" for name, card in known if card.tokenizer_sha256 != ours]

@@ -69,10 +69,12 @@ def own_token_statistics(logits: torch.Tensor, batch: Mapping[str, Any], prefix:
     own = {"labels": batch[f"{prefix}labels"], "input_ids": batch[f"{prefix}input_ids"]}
     rows = valid_positions(own).reshape(-1).nonzero().squeeze(1)
     labels, flat = next_token_labels(own).reshape(-1), logits.reshape(-1, logits.shape[-1])
-    following_bytes = torch.roll(batch[f"{prefix}token_bytes"], -1, dims=1).reshape(-1)
     nll = [F.cross_entropy(flat.index_select(0, chunk).float(), labels.index_select(0, chunk), reduction="none")
            for chunk in rows.split(CHUNK_TOKENS)]
-    return {"nll": torch.cat(nll).cpu() if nll else torch.empty(0), "bytes": following_bytes[rows].cpu()}
+    out = {"nll": torch.cat(nll).cpu() if nll else torch.empty(0)}
+    if f"{prefix}token_bytes" in batch:
+        out["bytes"] = torch.roll(batch[f"{prefix}token_bytes"], -1, dims=1).reshape(-1)[rows].cpu()
+    return out
 
 
 def _gather(values: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor] | None:
@@ -87,16 +89,24 @@ def _gather(values: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor] | 
 @torch.no_grad()
 def evaluate_students(
     students: Mapping[str, Forward],
-    teacher_forward: Forward,
+    teacher_forward: Forward | None,
     batches: Iterable[Mapping[str, Any]],
     device: torch.device,
     max_batches: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """``{"teacher": {...}, <student name>: {...}}`` on every rank: perplexity, nll, KL, top-1 agreement."""
+    """``{"teacher": {...}, <student name>: {...}}`` on every rank: perplexity, nll, KL, top-1 agreement.
+
+    ``teacher_forward`` None (teachers with no full distribution: a store, a server): each student's own figures
+    only (perplexity; bits per byte where batches carry bytes), with no teacher entry."""
     values: dict[str, dict[str, list[torch.Tensor]]] = {name: {} for name in students}
     teacher_values: dict[str, list[torch.Tensor]] = {}
     for batch in itertools.islice(batches, max_batches):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if teacher_forward is None:  # the students' own tokens, nothing to compare with
+            for name, forward in students.items():
+                for key, tensor in own_token_statistics(forward(batch).logits, batch).items():
+                    values[name].setdefault(f"student_{key}", []).append(tensor)
+            continue
         teacher_logits = teacher_forward(batch).logits
         paired = "teacher_input_ids" in batch  # another tokenizer: each model is judged on its own tokens only
         for name, forward in students.items():
@@ -116,14 +126,16 @@ def evaluate_students(
     report = None
     gathered = {name: _gather(v) for name, v in values.items()}
     teacher = _gather(teacher_values)
-    counted = None if teacher is None else max((len(v) for k, v in teacher.items() if k.endswith("nll")), default=0)
+    counted_by = teacher if teacher_forward is not None else next(iter(gathered.values()), None)
+    counted = None if counted_by is None else max((len(v) for k, v in counted_by.items() if k.endswith("nll")),
+                                                  default=0)
     if distributed.broadcast_object(counted) == 0:  # every rank raises, none is left in a collective
         raise DataError(f"the held-out evaluation counted no token in {max_batches if max_batches else 'all'} "
                         "batches (its rows hold no label to score: prompts only, or nothing): perplexity would read "
                         "1 and KL 0 over nothing. Give held-out data with answers (data.heldout), or more eval "
                         "batches (eval.max_batches)")
     if distributed.is_main():
-        report = {"teacher": _own_metrics(teacher, "teacher")}
+        report = {"teacher": _own_metrics(teacher, "teacher")} if teacher_forward is not None else {}
         for name, stats in gathered.items():
             report[name] = _own_metrics(stats, "student")
             if "kl" in stats:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from distill_kit.config import TrainingConfig
 from distill_kit.engines import distributed, schedule
+from distill_kit.errors import TeacherUnavailable
 from distill_kit.training import checkpoint, nonfinite, preemption
 from losses import LossOutput
 from losses.base import valid_positions
@@ -58,6 +59,8 @@ class Trainer:
         self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
         self.evaluations: list[dict[str, Any]] = []  # every evaluation train() ran, by step; kept by checkpoints
         self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
+        self._rewound: dict[str, Any] | None = None  # the position of a step a teacher could not finish
+        self.upcoming: Batch | None = None  # the step's next micro-batch while one is trained (teachers may prefetch)
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
@@ -113,6 +116,7 @@ class Trainer:
                         disable=not distributed.is_main(), dynamic_ncols=True)
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
+                before = self._position()  # where a step the teacher could not finish starts again
                 step_batches = self.make_batches([self._to_device(next(micro_batches))
                                                   for _ in range(self.training.gradient_accumulation_steps)])
                 self.micro_batches_seen += len(step_batches)
@@ -121,11 +125,18 @@ class Trainer:
                 # The lr this step uses: read before the engines step, which moves each to the next step's.
                 lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
                 sums: dict[str, torch.Tensor] = {}
-                for batch in step_batches:
-                    for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
-                        for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
-                            key = _key(name, part)
-                            sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
+                try:
+                    for index, batch in enumerate(step_batches):
+                        # the next micro-batch, whose teacher outputs a teacher outside the processes may start on
+                        self.upcoming = step_batches[index + 1] if index + 1 < len(step_batches) else None
+                        for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
+                            for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
+                                key = _key(name, part)
+                                sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
+                except TeacherUnavailable as err:
+                    self._restore_position(before)  # this step never happened: its checkpoint is the last whole one
+                    self.stopped_by = f"the teacher being unavailable ({err})"
+                    break
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
                 record = dict(zip(sums, means.tolist(), strict=True)) | lrs
                 applied = self.nonfinite.all_or_none(
@@ -152,6 +163,8 @@ class Trainer:
         progress.close()
         if self.stopped_by or self.step == self.training.max_steps:
             self._save_if_configured()
+        if self._rewound is not None:  # the next train() reads from the unfinished step's start, not the stream's
+            self._resumed_position, self._data, self._rewound = self._rewound, None, None
         return self.history[first:]
 
     def evaluate(self, batches: Iterable[Batch], max_batches: int | None = None) -> dict[str, Any]:
@@ -251,6 +264,21 @@ class Trainer:
         self._saved_at = (self.step, self.micro_batches_seen)
         if distributed.is_main():
             logger.info("resumed from %s at step %d", path, self.step)
+
+    def _position(self) -> tuple[int, Any, dict[str, Any]]:
+        """This rank's data position and random generators, as a step starts."""
+        loader = self._data[0] if self._data is not None else None
+        state = loader.state_dict() if hasattr(loader, "state_dict") else None
+        return self.micro_batches_seen, state, checkpoint.capture_rng()
+
+    def _restore_position(self, position: tuple[int, Any, dict[str, Any]]) -> None:
+        """Back to a step's start, so that the checkpoint taken next continues exactly there. A loader that keeps no
+        state of its own is read past ``micro_batches_seen`` on resume; the stream here is not read on."""
+        self.micro_batches_seen, state, rng = position
+        if state is not None:
+            self._data[0].load_state_dict(state)
+        checkpoint.restore_rng(rng)
+        self._rewound = {"micro_batches_seen": self.micro_batches_seen, "loader": state}
 
     def _save_if_configured(self) -> None:
         if self.training.checkpoint_dir is not None and self._saved_at != (self.step, self.micro_batches_seen):

@@ -24,7 +24,7 @@ from distill_kit.errors import ConfigError
 from distill_kit.students import from_teacher
 from distill_kit.teachers import HEAD, HIDDEN_STATES, TeacherCard, kinds
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
-from distill_kit.teachers.tokenizers import tokenizer_problems
+from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
 from distill_kit.training.on_policy import positions
 from losses import DistillationLoss, build_loss
 
@@ -120,7 +120,7 @@ def make_plan(
     student_configs = {s.name: config for s in students if (config := _student_config(s, lead, problems)) is not None}
     if len(cards) < len(teachers) or len(student_configs) < len(students):
         _raise(problems)  # the rest is sized by the models' configs
-    problems += capability_problems(students, teachers, cards, training, combine, evaluate)
+    problems += capability_problems(students, teachers, cards, training, combine)
     losses = {}
     for s in students:
         try:
@@ -158,6 +158,9 @@ def make_plan(
             except (ImportError, TypeError, ValueError) as err:
                 problems.append(f"students[{spec.name}].peft: {err}")
     _raise(problems)
+    if evaluate and any(not card.dense for card in cards.values()):
+        notes.append("evaluation reports each student's own perplexity only: top-k teachers have no full "
+                      "distribution to compare with (KL, top-1 agreement)")
     head_at_loss = {}
     for spec in teachers:
         reason = why_not_head_at_loss(cards[spec.name], losses.values(), training, combine)
@@ -245,8 +248,7 @@ def student_init(student: StudentSpec, teacher_config: Any) -> dict[str, Any]:
 
 
 def capability_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
-                        cards: Mapping[str, TeacherCard], training: TrainingConfig, combine: Combine,
-                        evaluate: bool) -> list[str]:
+                        cards: Mapping[str, TeacherCard], training: TrainingConfig, combine: Combine) -> list[str]:
     """Every use of a teacher its kind cannot serve, each naming the key and the fix."""
     problems = []
     sparse = [name for name, card in cards.items() if not card.dense]
@@ -261,10 +263,6 @@ def capability_problems(students: Sequence[StudentSpec], teachers: Sequence[Teac
             problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({teachers[0].name!r}, a "
                             f"{first.kind} teacher) cannot generate: use sampler: student, or list a teacher that "
                             "runs in-process first")
-    if evaluate and sparse:
-        problems.append(f"evaluation compares the students with the teachers' full distributions (KL, top-1 "
-                        f"agreement), and {sparse} return top-k targets: evaluate against an in-process teacher, or "
-                        "train from Python and call evaluate() on the students' own perplexity (docs/teachers.md)")
     return problems
 
 
@@ -345,13 +343,15 @@ def _tokenizer_problems(students: Sequence[StudentSpec], teachers: Sequence[Teac
     others = [("the student" if len(students) == 1 else f"students[{s.name}].model", s.model)
               for s in students if models.has_tokenizer(s.model)]
     others += [(f"teachers[{t.name}]", cards[t.name].tokenizer) for t in teachers if cards[t.name].tokenizer]
+    fingerprinted = [(f"teachers[{t.name}]", cards[t.name]) for t in teachers if not cards[t.name].tokenizer]
     if tokenizer is None:  # Python: the first student's, else the first teacher's
         if not others:
             return []
         (label, tokenizer), others = others[0], others[1:]
-        return tokenizer_problems((label, tokenizer), others)
+        return tokenizer_problems((label, tokenizer), others) + fingerprint_problems(fingerprinted, tokenizer, label)
     return tokenizer_problems(("the run", tokenizer), [(label, source) for label, source in others
-                                                       if str(source) != str(tokenizer)])
+                                                       if str(source) != str(tokenizer)]) + fingerprint_problems(
+        fingerprinted, tokenizer if models.has_tokenizer(tokenizer) else None)
 
 
 def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
