@@ -344,7 +344,7 @@ class HarnessConfig:
         for key, value, low in (("limit", self.limit, 1), ("num_fewshot", self.num_fewshot, 0),
                                 ("batch_size", self.batch_size, 1), ("examples", self.examples, 1)):
             if value is not None and value < low:
-                raise ConfigError(f"eval.harness.{key}: {value}; give {low} or more")
+                raise ConfigError(f"eval.harness.{key}: {value}; it must be at least {low}")
         if len(set(self.tasks)) != len(self.tasks):
             raise ConfigError(f"eval.harness.tasks: {list(self.tasks)} names a task twice; name each once")
         check_seed(self.seed, "eval.harness.seed")

@@ -288,18 +288,19 @@ def _evaluate(model: Model, config: HarnessConfig, manager, out: Path) -> dict[s
 # ---- the report ----------------------------------------------------------------------------------------------------
 
 def add_to_report(run_dir: str | Path, scores: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``scores`` into ``<run_dir>/report.json`` (``harness``, and each model's scores in the summary, which the
-    report's table prints); returns the summary (a task benchmark's report is its own summary). None: nothing to add
-    (not the main rank)."""
+    """``scores`` into ``<run_dir>/report.json`` (``harness``, and the table's values in its summary's ``harness``);
+    returns the summary, which the report's table prints (a task benchmark's report has none: then only
+    ``{"harness": ...}``). None: nothing to add (not the main rank)."""
     if scores is None:
         return None
     path = Path(run_dir) / "report.json"
     report = json.loads(path.read_text())
     report["harness"] = scores
-    summary = report.get("summary", report)
-    summary["harness"] = summarize(scores)
+    summary = report.get("summary")
+    if summary is not None:
+        summary["harness"] = summarize(scores)
     path.write_text(json.dumps(report, indent=2))
-    return summary
+    return summary if summary is not None else {"harness": summarize(scores)}
 
 
 def summarize(scores: dict[str, Any]) -> dict[str, Any]:
