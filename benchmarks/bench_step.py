@@ -18,6 +18,13 @@ Before the runs it also measures the student's head + loss from hidden states: n
 (``loss_memory.measure_with_head``). Runs use plain HF kernels unless a run names ``liger`` or ``compile``, and
 the fused student head unless it names ``unfused``.
 
+The teacher's head at the loss (``training.teacher_head_at_loss``: its full logits never exist) is on unless a run
+names ``teacherlogits``; ``--teacher-head both`` runs every run both ways in the same launch, and each run records
+the setting and whether the teacher's forward really came back headless. ``--micro-batches`` finds the largest
+micro-batch that fits: every run is tried at each of them in increasing order until one runs out of memory, and
+``largest_micro_batch`` records the largest that ran, per run. Each run's peak memory is
+``torch.cuda.max_memory_allocated`` after a reset, net of what earlier runs left behind.
+
 GPU (2x H200; the second line is the headline run in RESULTS.md, the third the big-teacher pair, one process
 per run)::
 
@@ -26,6 +33,12 @@ per run)::
         --runs ours@16+bucket+liger baseline@16+bucket+liger ours@16+bucket+liger+unfused ours@32+bucket+liger
     torchrun --nproc_per_node 2 benchmarks/bench_step.py --pair qwen2-72b-0.5b --loss-memory-shape 0 \
         --chunk-size 1024 --out runs/b72_ours --runs ours@4+bucket+liger
+
+The teacher's head at the loss against the teacher's full logits, up to the largest micro-batch each fits::
+
+    torchrun --nproc_per_node 2 benchmarks/bench_step.py --out runs/teacher_head --loss-memory-shape 0 \
+        --chunk-size 1024 --warmup 2 --steps 6 --runs ours+bucket+liger --teacher-head both \
+        --micro-batches 16 24 32 40 48 64
 
 CPU smoke (what the test suite runs)::
 
@@ -42,7 +55,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +107,12 @@ LEVERS = {
     "fp8": "the teacher in FP8 (training.teacher_precision: fp8): torchao row-wise, loaded a layer at a time, "
            "compiled per decoder layer whatever the kernels lever (which then reaches the student alone); "
            "replicated (with mode upper)",
+    "teacherlogits": "training.teacher_head_at_loss off: the teacher's full logits (B x T x vocabulary), instead of "
+                     "its head applied chunk by chunk at the loss",
 }
+TEACHER_HEAD = {"loss": "every run as named (the teacher's head at the loss unless it names teacherlogits)",
+                "logits": "every run with the teacherlogits lever",
+                "both": "every run both ways, one after the other"}
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,51 @@ def parse_run(text: str, default_micro_batch: int) -> Run:
             f"and LEVER in {sorted(LEVERS)}"
         )
     return Run(mode, int(micro_batch) if micro_batch else default_micro_batch, tuple(sorted(levers)))
+
+
+def with_lever(run: Run, lever: str) -> Run:
+    return replace(run, levers=tuple(sorted({*run.levers, lever})))
+
+
+def expand(runs: list[Run], teacher_head: str, micro_batches: list[int] | None) -> list[Run]:
+    """The runs to make, in order: each as named, with ``--teacher-head``'s variants beside it and, given
+    ``--micro-batches``, at each of them in increasing order (in place of its own micro-batch)."""
+    out = []
+    for run in runs:
+        variants = {"loss": [run], "logits": [with_lever(run, "teacherlogits")],
+                    "both": [run, with_lever(run, "teacherlogits")]}[teacher_head]
+        for variant in dict.fromkeys(variants):  # a run that names teacherlogits already: once
+            out += [replace(variant, micro_batch=m) for m in sorted(set(micro_batches))] if micro_batches else [variant]
+    return out
+
+
+def shape_key(run: Run) -> str:
+    """A run's label without its micro-batch: the runs a micro-batch search compares."""
+    return run.mode + "".join(f"+{lever}" for lever in run.levers)
+
+
+def largest_micro_batches(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """The largest micro-batch that ran, per run (``shape_key``)."""
+    largest: dict[str, int] = {}
+    for run in runs:
+        if run["status"] == "ok":
+            key = run["mode"] + "".join(f"+{lever}" for lever in run["levers"])
+            largest[key] = max(largest.get(key, 0), run["micro_batch"])
+    return largest
+
+
+def teacher_head_pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every run beside its ``teacherlogits`` twin (the same micro-batch): peak memory and tokens/s of both."""
+    done = {(r["mode"], r["micro_batch"], tuple(r["levers"])): r for r in runs if r["status"] == "ok"}
+    out = []
+    for (mode, micro_batch, levers), run in done.items():
+        twin = done.get((mode, micro_batch, tuple(sorted({*levers, "teacherlogits"}))))
+        if "teacherlogits" not in levers and twin:
+            out.append({"head_at_loss": run["label"], "full_logits": twin["label"],
+                        "peak_allocated_gib": [run["peak_allocated_gib"], twin["peak_allocated_gib"]],
+                        "tokens_per_s_per_gpu": [run["tokens_per_s_per_gpu"], twin["tokens_per_s_per_gpu"]],
+                        "teacher_output": [run["teacher_output"], twin["teacher_output"]]})
+    return out
 
 
 def parse_setting(text: str) -> tuple[str, int]:
@@ -167,6 +230,21 @@ def release(distiller: TimedDistiller) -> None:
             engine.destroy()
 
 
+def observe_teacher(distiller: TimedDistiller) -> list[str]:
+    """The type of every teacher output the step gets (``HeadOutput``: the teacher ran without its head), recorded
+    by wrapping the instance's hook, so that a run says what it measured whatever the setting asked for."""
+    seen: list[str] = []
+    forward = distiller.teacher_forward
+
+    def observed(batch: Any) -> Any:
+        out = forward(batch)
+        seen.append(type(out).__name__)
+        return out
+
+    distiller.teacher_forward = observed
+    return seen
+
+
 def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: torch.device) -> dict[str, Any]:
     pair, cuda = pairs.PAIRS[args.pair], device.type == "cuda"
     result: dict[str, Any] = {"label": run.label, "mode": run.mode, "description": MODES[run.mode].description,
@@ -182,7 +260,9 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=run.micro_batch, dtype=args.dtype,
                               lr=1e-5, log_every=10**9, fused_loss="unfused" not in run.levers,
                               teacher_kernels="auto" if in_fp8 else kernels,  # FP8: compile (engines/fp8.py)
-                              student_kernels=kernels, teacher_precision="fp8" if in_fp8 else "auto")
+                              student_kernels=kernels, teacher_precision="fp8" if in_fp8 else "auto",
+                              teacher_head_at_loss="teacherlogits" not in run.levers)
+    result["teacher_head_at_loss"] = training.teacher_head_at_loss
     student_overrides, teacher_overrides = ds_overrides(run, args)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
         CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
@@ -204,8 +284,27 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     distiller = TimedDistiller(student, teacher, loss=loss, training=training,
                                student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
     result["build_s"] = time.perf_counter() - build_start
-    batches = random_batches(training.max_steps, run.micro_batch, args.seq_len, pair.student.vocab_size,
-                             seed=args.seed + distributed.rank())
+    try:
+        result |= timed_training(distiller, training, run, args, facts, device, left_before)
+    finally:  # also when a step runs out of memory: the next run must not find these engines on the device
+        release(distiller)
+        del distiller, teacher, student
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    result["teacher_weights_gib"] = None if teacher_bytes is None else teacher_bytes / GIB
+    result["kernels"] = kernels
+    result["memory_left_gib"] = torch.cuda.memory_allocated(device) / GIB if cuda else None
+    return result
+
+
+def timed_training(distiller: TimedDistiller, training: TrainingConfig, run: Run, args: argparse.Namespace,
+                   facts: dict[str, Any], device: torch.device, left_before: int) -> dict[str, Any]:
+    """The built Distiller trained on random batches: speed, peak memory, phases, compiles, what the teacher gave."""
+    cuda = device.type == "cuda"
+    batches = random_batches(training.max_steps, run.micro_batch, args.seq_len,
+                             distiller.student_model.config.vocab_size, seed=args.seed + distributed.rank())
+    teacher_outputs = observe_teacher(distiller)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -222,9 +321,8 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     peak = (torch.cuda.max_memory_allocated(device) - left_before) / GIB if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else None
     flops = facts["flops_per_token"] * tokens_per_s
-    result |= {
+    return {
         "status": "ok",
-        "teacher_weights_gib": None if teacher_bytes is None else teacher_bytes / GIB,
         # The first step compiles (torch.compile per decoder layer); what it took beyond a later step's time.
         "first_step_extra_s": (distiller.clock.summary(skip=0)["step_ms_all"][0] - summary["step_ms"]) / 1e3,
         "dynamo_unique_graphs": compiled.get("unique_graphs", 0), "dynamo_graph_breaks": breaks,
@@ -239,17 +337,10 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
         "attention": distiller.student_model.config._attn_implementation,
         "optimizer": type(distiller.student.optimizer.optimizer).__name__,
         "fused_head": distiller.fused_head,
-        "kernels": kernels,
+        "teacher_output": sorted(set(teacher_outputs)),  # ["HeadOutput"]: the teacher ran without its head
         "losses": [h["loss"] for h in history],
         **summary,
     }
-    release(distiller)
-    del distiller, teacher, student
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    result["memory_left_gib"] = torch.cuda.memory_allocated(device) / GIB if cuda else None
-    return result
 
 
 def model_facts(pair: pairs.Pair) -> dict[str, Any]:
@@ -283,6 +374,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", nargs="+", default=["ours", "baseline", "upper"],
                         help="MODE[@MICRO_BATCH][+LEVER...]; levers: "
                         + "; ".join(f"{k}: {v}" for k, v in LEVERS.items()))
+    parser.add_argument("--teacher-head", choices=sorted(TEACHER_HEAD), default="loss",
+                        help="; ".join(f"{k}: {v}" for k, v in TEACHER_HEAD.items()))
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=None,
+                        help="try every run at each of these micro-batches, in increasing order, until one runs out "
+                        "of memory (in place of the runs' own); largest_micro_batch records the largest that ran")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after warm-up")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
@@ -299,7 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measured-tflops", type=float, default=790.0, help="bf16 matmul measured on an H200")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    args.runs = [parse_run(text, args.micro_batch) for text in args.runs]
+    if args.micro_batches and min(args.micro_batches) < 1:
+        parser.error(f"--micro-batches must all be >= 1, got {args.micro_batches}")
+    args.runs = expand([parse_run(text, args.micro_batch) for text in args.runs], args.teacher_head,
+                       args.micro_batches)
     return args
 
 
@@ -341,6 +440,8 @@ def main() -> None:
             "seq_len": args.seq_len,
             "dtype": args.dtype,
             "loss": f"{args.loss} (chunk {args.chunk_size})",
+            "teacher_head": args.teacher_head,
+            "micro_batches": args.micro_batches,
             "zero3": {k.removeprefix("zero_optimization."): v for k, v in args.zero3},
             "warmup": args.warmup,
             "steps": args.steps,
@@ -354,16 +455,24 @@ def main() -> None:
         "loss_memory_head": memory_head,
         "runs": [],
     }
+    ran_out: dict[str, int] = {}  # per shape_key, the smallest micro-batch that ran out of memory
     for run in args.runs:
-        try:
-            result["runs"].append(measure(run, args, facts, device))
-        except torch.OutOfMemoryError as err:  # every rank runs the same shapes, so all of them land here together
-            result["runs"].append({"label": run.label, "mode": run.mode, "micro_batch": run.micro_batch,
-                                   "levers": list(run.levers), "status": "out of memory",
-                                   "error": str(err).splitlines()[0][:300]})
-        gc.collect()  # outside the handler, once the failed run's frames are gone
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        described = {"label": run.label, "mode": run.mode, "micro_batch": run.micro_batch, "levers": list(run.levers)}
+        if run.micro_batch >= ran_out.get(shape_key(run), run.micro_batch + 1):
+            result["runs"].append(described | {"status": f"not attempted: micro-batch {ran_out[shape_key(run)]} "
+                                                         "ran out of memory"})
+        else:
+            try:
+                result["runs"].append(measure(run, args, facts, device))
+            except torch.OutOfMemoryError as err:  # every rank runs the same shapes, so all of them land here
+                result["runs"].append(described | {"status": "out of memory",
+                                                   "error": str(err).splitlines()[0][:300]})
+                ran_out[shape_key(run)] = min(run.micro_batch, ran_out.get(shape_key(run), run.micro_batch))
+            gc.collect()  # outside the handler, once the failed run's frames are gone
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["largest_micro_batch"] = largest_micro_batches(result["runs"])
+        result["teacher_head"] = teacher_head_pairs(result["runs"])
         if distributed.is_main():  # after every run, so that a run cut short by a time limit keeps the others
             report.write_outputs(result, args.out)
             print(report.markdown(result), flush=True)
