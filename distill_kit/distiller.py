@@ -118,7 +118,8 @@ class Distiller(Trainer):
         self.students: dict[str, Student] = {
             s.name: Student(self._built(s), self.plan.keys[s.name], self.plan.losses[s.name],
                             self.plan.student_ds_configs[s.name], s.training(self.training),
-                            adapters=self.plan.adapters.get(s.name), main=distributed.is_main())
+                            adapters=self.plan.adapters.get(s.name), main=distributed.is_main(),
+                            config=self.plan.student_configs[s.name])
             for s in student_specs}
         self._hooks_take_student = {hook: "student" in inspect.signature(getattr(self, hook)).parameters
                                     for hook in ("student_forward", "compute_loss")}

@@ -5,6 +5,7 @@ written; and the CLI builds exactly the run Python builds from the same settings
 from __future__ import annotations
 
 import json
+import traceback
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,34 @@ def test_python_refuses_the_same_uses_before_loading(tiny):
     with pytest.raises(ConfigError, match=r"teachers\[a\].options: \['k'\] are not options"):
         Distiller(students=[StudentSpec(name="s", model=str(tiny["student"]))],
                   teachers=[TeacherSpec(name="a", model=FIXED, options={"k": 3})])
+
+
+def test_each_model_config_is_read_once_per_run(tiny, tmp_path, monkeypatch):
+    """The plan reads every model's config once (teacher card, student configs); the checks, the engines and the
+    students' build read the plan's, never the folder again."""
+    from transformers import PretrainedConfig
+
+    from distill_kit.engines import models
+
+    teacher = tmp_path / "teacher"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2_config(width=48, layers=2, vocab=tiny["vocab"])).save_pretrained(teacher)
+    reads: dict[str, int] = {}
+    original = PretrainedConfig.get_config_dict.__func__
+
+    def counted(cls, source, **kwargs):
+        if not any("tokenization_auto" in frame.filename for frame in traceback.extract_stack()):  # a tokenizer's
+            reads[str(source)] = reads.get(str(source), 0) + 1                                   # read is not one
+        return original(cls, source, **kwargs)
+
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", classmethod(counted))
+    out = tmp_path / "run"
+    args = [a for a in _args(tiny, out, _teacher(tiny)) if not a.startswith("[")]
+    args = [a for a in args if a not in ("--teachers", "--students")]
+    config = run_config.load(None, [*args, f"teacher={teacher}", "--students",
+                                    json.dumps([{"name": "given", "model": str(tiny["student"])},
+                                                {"name": "fresh", "init": {"n_layer": 1}}])])
+    assert cli.run(config) is not None
+    assert reads == {str(teacher): 1, str(tiny["student"]): 1}, reads
+    assert models.model_config(teacher) is not None  # (the counter works: this read is the test's own)
+    assert reads[str(teacher)] == 2

@@ -122,6 +122,15 @@ def check_models(start: Start) -> list[str]:
         elif not (Path(path) / "config.json").is_file():
             problems.append(f"{kind}: the folder {path!r} holds no model (no config.json); give a directory "
                             "written by save_pretrained")
+    if kind_of(first) != "engine":  # a server (or a store) has no weights here to cut a student out of
+        problems += [f"students[{s.name}].init_from_teacher cuts the student out of the teacher's weights, and the "
+                     f"teacher {config.teacher!r} is a {kind_of(first)} teacher (none here): build it with init "
+                     "(the teacher's config, e.g. init: {num_hidden_layers: 4}) or give model: a folder"
+                     for s in config.students if s.init_from_teacher is not None]
+    if kind_of(first) == "served" and config.tokenizer is None:
+        problems.append(f"teacher {config.teacher!r} is served: the run reads its data with a local tokenizer. Set "
+                        "tokenizer: the folder of the served model's tokenizer (or options.tokenizer in teachers:)")
+        return problems
     tokenizer = config.tokenizer or config.teacher
     if _local(tokenizer) and Path(tokenizer).is_dir() and not any(
             (Path(tokenizer) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
@@ -132,13 +141,13 @@ def check_models(start: Start) -> list[str]:
 
 
 def check_student_tokenizers(start: Start) -> list[str]:
-    """A student given as a folder with a tokenizer has the run's (``tokenizer``, or the teacher's), or with
-    ``student_tokenizer`` the students' own: the same rule as the teachers' (``teachers.tokenizer_problems``)."""
+    """With ``student_tokenizer`` (no plan before the vocabulary map): a student given as a folder with a tokenizer
+    has the students' own, by the plan's rule (``teachers/tokenizers.py``). Otherwise the plan checks every model."""
     config = start.config
+    if config.student_tokenizer is None:
+        return []
     students = [(f"students[{s.name}].model", s.model) for s in config.students if s.model is not None]
-    if config.student_tokenizer is not None:
-        return tokenizer_problems(("student_tokenizer", config.student_tokenizer), students)
-    return tokenizer_problems(("the run", config.tokenizer or config.teacher), students)
+    return tokenizer_problems(("student_tokenizer", config.student_tokenizer), students)
 
 
 def run_plan(config: RunConfig, data: DataFacts) -> Plan:

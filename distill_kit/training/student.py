@@ -37,14 +37,15 @@ class Student:
     """
 
     def __init__(self, spec: StudentSpec, key: str, loss: DistillationLoss, ds_config: Mapping[str, Any],
-                 training: TrainingConfig, *, adapters: Any = None, main: bool = True):
-        """``adapters``: the ``peft.PeftConfig`` of a LoRA student (the plan's), trained on its frozen base."""
+                 training: TrainingConfig, *, adapters: Any = None, main: bool = True, config: Any = None):
+        """``adapters``: the ``peft.PeftConfig`` of a LoRA student (the plan's), trained on its frozen base.
+        ``config``: its model config as the plan read it (so that it is read once per run)."""
         self.spec, self.key, self.name, self.loss = spec, key, spec.name, loss
         self.ds_config = ds_config
         """The DeepSpeed config its engine was given (every "auto" filled from the run)."""
         self.training = training
         self.export_merged = peft_student.wants_merged_export(spec.peft)
-        model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions)
+        model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions, config=config)
         kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels",
                       liger=kernels.beside(fp8.run_teacher_kernels(training)))
         if adapters is not None:
