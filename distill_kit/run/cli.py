@@ -30,6 +30,7 @@ from distill_kit.run import output_dir, report, run_config, student_tokenizer, v
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
+from distill_kit.tasks import harness
 from distill_kit.training import checkpoint
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
@@ -359,6 +360,10 @@ def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: A
         inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
                  for s in config.students}
         summary = report.write(out, params, losses, histories, log.evaluations(), extra, inits)
+    if config.eval.harness.tasks:  # lm-evaluation-harness on the exported models, on every rank (its prompts spread)
+        distributed.barrier()  # report.json is written
+        summary = harness.add_to_report(out, harness.evaluate_run(out, config.eval.harness)) or summary
+    if distributed.is_main():
         print(report.table(summary))
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)

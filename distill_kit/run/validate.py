@@ -28,6 +28,7 @@ from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.errors import ConfigError
 from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
+from distill_kit.tasks import harness
 from distill_kit.teachers.combine import check_weights
 from distill_kit.teachers.kinds import kind_of
 from distill_kit.teachers.tokenizers import tokenizer_problems
@@ -239,6 +240,17 @@ def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None
     except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
         return None
 
+def check_harness(start: Start) -> list[str]:
+    """``eval.harness``: lm-evaluation-harness installed and every task name known, before any training."""
+    if not start.config.eval.harness.tasks:
+        return []
+    try:
+        harness.check(start.config.eval.harness)
+    except ConfigError as err:
+        return [str(err)]
+    return []
+
+
 def check_trackers(start: Start) -> list[str]:
     """Every tracker in ``report_to`` is known and installed."""
     try:
@@ -367,7 +379,7 @@ def check_peft_students(start: Start) -> list[str]:
 Check = Callable[[Start], list[str]]
 CHECKS: list[Check] = [check_plan, check_output_dir, check_models, check_student_tokenizers, check_data, check_packing,
                        check_data_format, check_students, check_on_policy, check_peft_students, check_checkpoint_disk,
-                       lambda start: student_tokenizer.config_problems(start.config), check_trackers]
+                       lambda start: student_tokenizer.config_problems(start.config), check_trackers, check_harness]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
 
