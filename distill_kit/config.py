@@ -86,7 +86,8 @@ class OnPolicyConfig:
     Rows without an answer (prompts) are chosen first, the rest at random; unchosen prompts count no tokens."""
     sampler: Literal["student", "teacher"] = "student"
     """Who writes the samples: 'student' is on-policy distillation; 'teacher' is sequence-level KD (the teacher's
-    ZeRO-3 generate steps every rank together at every token: slower than a student's, see README)."""
+    ZeRO-3 generate steps every rank together at every token: slower than a student's;
+    docs/chat.md#on-policy-distillation-and-sequence-level-kd)."""
     max_new_tokens: int = 64
     """Longest sample; a sample cut here has no end token and every one of its tokens counts."""
     temperature: float = 1.0
@@ -103,14 +104,13 @@ class OnPolicyConfig:
     benchmarks/RESULTS.md) and a compiled static-cache decode step sees one batch size. Choose N dividing the
     step's sampled rows: padding rows are decoded and thrown away."""
     cache: Literal["auto", "static", "dynamic"] = "auto"
-    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (1.8x the new
-    tokens/s of a dynamic one for a 0.5B student at batch 256 on an H200, 4x at 64), dynamic on the CPU and for a
-    ZeRO-3 teacher."""
+    """KV cache of generation: 'auto' is static on an accelerator where the model supports it (faster than a
+    dynamic one: benchmarks/RESULTS.md), dynamic on the CPU and for a ZeRO-3 teacher."""
     sdpa_gqa: bool = True
     """Decode with SDPA's own grouped-query attention on an accelerator (transformers' switch
     ``TRANSFORMERS_SDPA_FORCE_GQA``, set only while ``generate`` runs): inside the compiled static-cache decode step
-    transformers otherwise copies every key/value head once per query head that shares it, at every token.
-    Measured for the 0.5B Qwen2-shaped student on an H200: 2.4x the new tokens/s at batch 256, 2.9x at 512."""
+    transformers otherwise copies every key/value head once per query head that shares it, at every token (the
+    gain: benchmarks/RESULTS.md)."""
     eos_token_id: int | None = None
     """Token that ends a sample (counted); None reads the sampling model's generation config."""
     pad_token_id: int | None = None
@@ -391,10 +391,10 @@ class TaskConfig:
     """Held-out prompts for greedy exact-match accuracy and the teacher-student KL on their answers."""
     warm_start_steps: int = 100
     """SFT steps on the labelled answers before the on-policy recipes (part of their max_steps): a random student's
-    samples are noise the teacher cannot correct (GKD; measured: on-policy from scratch learns nothing)."""
+    samples are noise the teacher cannot correct (GKD; on-policy from scratch: docs/tasks.md)."""
     recipes: tuple[str, ...] = RECIPES
     """Which rows to run: by default teacher, sft, seq_kd and on_policy_forward_kl; also forward_kl,
-    on_policy_reverse_kl, on_policy_jsd and mixed (measured to learn nothing here: docs/tasks.md)."""
+    on_policy_reverse_kl, on_policy_jsd and mixed (how they compare: docs/tasks.md)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Each recipe runs once per seed, as training.seed (its data draw, initial student, batch order and sampling);
     the table gives the mean exact match, its range and each seed's value. [0]: the one-seed quick mode."""

@@ -20,8 +20,9 @@ from losses.divergences import ForwardKL
 class MutualKL(ForwardKL):
     """The mean forward KL(p_peer || q) over the peers' outputs, which the teacher slot holds.
 
-    Models trained side by side (``distill_kit/training/side_by_side.py``) get the other models' detached outputs
-    there; given a single teacher's outputs instead, it is plain forward KL. Temperature, ``T**2``
+    Models trained side by side (``Distiller(..., teachers=[])``;
+    docs/students.md#models-side-by-side-without-a-teacher) get the other models' detached outputs there; given a
+    single teacher's outputs instead, it is plain forward KL. Temperature, ``T**2``
     scaling, chunking and normalisation are :class:`ForwardKL`'s. It is the soft half of deep mutual
     learning; the labels' half is ``cross_entropy``, so the paper's objective is the weighted sum
     ``[{name: cross_entropy, weight: 1.0}, {name: mutual_kl, weight: 1.0}]``.

@@ -7,17 +7,14 @@ teacher's recipe, not a use of the framework, and it must run where DeepSpeed is
     python scripts/train_teacher.py                       # corpus + tokenizer + teacher, defaults below
     python scripts/train_teacher.py --steps 50 --device cpu --out /tmp/teacher   # a smoke test
 
-Why these defaults (measured on one H200, against the 192-wide x 6-layer and 288-wide x 8-layer
-alternatives and a 3,000-step run): 256 wide x 8 layers (6.7M parameters, 13 MB in bf16) keeps the
-shipped file small and a CPU forward cheap (0.29 s for 8 x 256 tokens on 2 cores; it runs live during
-the default distillation). 1,500 steps of 64 x 256 tokens is about six passes over the training split;
-at 3,000 the held-out perplexity climbs to 35 as the model memorises its training text.
+Why these defaults (chosen against narrower, wider and longer-trained alternatives; the figures:
+benchmarks/RESULTS.md): 256 wide x 8 layers keeps the shipped file small and a CPU forward cheap (it runs live
+during the default distillation). 1,500 steps of 64 x 256 tokens is about six passes over the training split;
+longer, the model memorises its training text and its held-out perplexity climbs.
 
-The teacher never trains on the default student's slice (the first 512 training blocks): a teacher
-that did had perplexity 3.3 there against 19 on held-out text, i.e. it had memorised the student's text
-and gave near one-hot targets, teaching no more than the labels. The shipped teacher (2026-11-29, one
-H200, 69 s: ``python scripts/train_teacher.py --corpus-dir .cache/corpus``) reaches held-out perplexity
-19.9 and 7.2 on the student's slice, which it has not seen.
+The teacher never trains on the default student's slice (the first 512 training blocks): a teacher that did
+memorised the student's text and gave near one-hot targets, teaching no more than the labels. The shipped
+teacher was made with ``python scripts/train_teacher.py --corpus-dir .cache/corpus``.
 """
 
 from __future__ import annotations

@@ -135,51 +135,68 @@ def code_strings() -> tuple[tuple[str | None, ...], ...]:
     return tuple(found)
 
 
+LONGEST = 12
+
+
 @cache
-def _by_word() -> dict[str, set[int]]:
-    index: dict[str, set[int]] = {}
-    for i, words in enumerate(code_strings()):
-        for word in words:
-            if word is not None:
-                index.setdefault(word, set()).add(i)
-    return index
+def _runs() -> frozenset[tuple[str, ...]]:
+    """Every run of 2 to :data:`LONGEST` words that one string of the code says between its placeholders."""
+    runs = set()
+    for words in code_strings():
+        for start in range(len(words)):
+            for end in range(start + 2, min(start + LONGEST, len(words)) + 1):
+                if words[end - 1] is None:
+                    break
+                runs.add(words[start:end])
+    return frozenset(runs)
 
 
-def _said_by(segment: list[str], words: tuple[str | None, ...]) -> bool:
-    """Whether one code string says ``segment``: its words in runs of the string's own words, in order, with at most
-    two words between runs (a value the code fills in); the runs cover two thirds of it, one run at least 3 words."""
-    i, at, covered, longest, gap = 0, 0, 0, 0, 0
-    while i < len(segment):
-        best, where = 0, -1
-        for start in range(at, len(words)):
-            k = 0
-            while i + k < len(segment) and start + k < len(words) and words[start + k] == segment[i + k]:
-                k += 1
-            if k > best:
-                best, where = k, start
-        if best >= 2 or (best == 1 and i + 1 == len(segment)):
-            i, at, covered, longest, gap = i + best, where + best, covered + best, max(longest, best), 0
-        else:
-            i, gap = i + 1, gap + 1
-            if gap > 2:
-                return False
-    return longest >= 3 and covered * 3 >= 2 * len(segment)
+def said(segment: list[str], breaks: set[int]) -> bool:
+    """Whether the code says ``segment``: runs of two words or more that the code's strings say (several strings may
+    make one message), which meet only where the quote has a break (punctuation, a value) or at most two words
+    between them (the values the code fills in); the runs cover two thirds of it, one at least 3 words (2 in a
+    segment of 4 words or fewer). A sentence
+    no code says is not stitched from common pairs of words."""
+    runs = {i: [k for k in range(2, min(LONGEST, len(segment) - i) + 1) if tuple(segment[i:i + k]) in _runs()]
+            for i in range(len(segment))}
+
+    @cache
+    def best(i: int, gap: int) -> tuple[int, int] | None:
+        """(words covered, longest run) over segment[i:], ``gap`` words since the last run; None: no reading."""
+        if i == len(segment):
+            return 0, 0
+        options = []
+        if gap < 2:
+            skipped = best(i + 1, gap + 1)
+            if skipped is not None:
+                options.append(skipped)
+        if i == 0 or gap or i in breaks:
+            for k in runs[i]:
+                rest = best(i + k, 0)
+                if rest is not None:
+                    options.append((rest[0] + k, max(rest[1], k)))
+        return max(options, default=None)
+
+    found = best(0, 0)
+    return found is not None and found[1] >= (3 if len(segment) > 4 else 2) and found[0] * 3 >= 2 * len(segment)
+
+
+VALUES = r"\w+(?:, \w+){2,}|'[^'\s]*'|\"[^\"]*\"|\S*\d\S*|\S*[/=<>]\S*|\[[^\]]*\]|\S*\w[.\[\]]\w\S*"
+"""What the code fills in, left out of a quoted message's words: lists, quoted values, numbers, paths, keys."""
 
 
 def unsaid(message: str) -> list[str]:
-    """The stretches of a quoted message (between ``…``) that no one string of the code says."""
+    """The stretches of a quoted message (between ``…``) that the code does not say."""
     message = re.sub(r"^(?:[A-Z]\w*(?:Error|Exception)|config error): ", "", message.strip())
     problems = []
     for part in re.split(r"…|\.\.\.", message):
-        segment = re.findall(r"\w+", re.sub(r"'[^'\s]*'", " ", part).lower())
-        if len(segment) < 3:
-            continue
-        counts: dict[int, int] = {}
-        for word in set(segment):
-            for i in _by_word().get(word, ()):
-                counts[i] = counts.get(i, 0) + 1
-        candidates = [i for i, n in counts.items() if n * 2 >= len(set(segment))]
-        if not any(_said_by(segment, code_strings()[i]) for i in candidates):
+        words, breaks = [], set()
+        for token in re.findall(r"\w+|[^\w\s]", re.sub(VALUES, " | ", part).lower()):
+            if re.fullmatch(r"\w+", token):
+                words.append(token)
+            elif token not in "'-":
+                breaks.add(len(words))
+        if len(words) >= 3 and not said(words, breaks):
             problems.append(part.strip())
     return problems
 
@@ -247,10 +264,17 @@ SECTIONS = {f.name for f in dataclasses.fields(run_config.RunConfig)
 KEY = r"(?<![\w./\-\[])(?:--)?((?:{})(?:\[[^\]\s]*\])?(?:\.[A-Za-z_*]+(?:\[[^\]\s]*\])?)+)"
 
 
+FILES = ("json", "jsonl", "yaml", "yml", "md", "py", "txt", "csv", "png", "safetensors")
+
+
 def named_keys(text: str) -> list[str]:
+    """Keys in code spans and ``--key`` in code blocks; a misspelled key quoted as bad input (a table row's first
+    cell, or a span with "did you mean") and a file name (``eval.jsonl``) are not keys."""
     pattern = KEY.format("|".join(sorted(SECTIONS)))
     prose, blocks = fenced(text)
-    keys = [k for span in code_spans(text) for k in re.findall(pattern, span)]
+    prose = re.sub(r"^\|[^|]*\|", "|", prose, flags=re.M)
+    keys = [k for span in code_spans(prose) if "did you mean" not in span for k in re.findall(pattern, span)
+            if k.rsplit(".", 1)[-1] not in FILES]
     return keys + re.findall(r"--" + pattern.removeprefix(r"(?<![\w./\-\[])(?:--)?"), blocks)
 
 
@@ -274,22 +298,22 @@ PATH = r"(?<![\w/.\-<])((?:{})/[\w./*\-]*[\w*])".format("|".join(TOP))
 
 
 def path_problem(path: str, base: Path = ROOT) -> str | None:
-    target = base / path
+    """None when ``path`` names a file or folder (a glob: one at least; ``losses/fused.HeadOutput``: a module's)."""
     if "*" in path:
         return None if list(base.glob(path)) else f"{path} matches no file"
-    return None if target.exists() else f"there is no {path}"
+    module = re.sub(r"\.\w+$", ".py", path)
+    return None if (base / path).exists() or (base / module).is_file() else f"there is no {path}"
 
 
 def link_problems(name: str, base: Path, text: str) -> list[str]:
     problems = []
-    prose = fenced(text)[0]
-    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+    for target in re.findall(r"\]\(([^)\s]+)\)", fenced(text)[0]):
         if re.match(r"\w+://|mailto:", target):
             continue
         file, _, anchor = target.partition("#")
         path = (base / file) if file else None
         if path is not None and not path.exists():
-            problems.append(f"{name}: link ({target}): there is no {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+            problems.append(f"{name}: link ({target}): there is no {path}")
             continue
         page = path if path is not None else (ROOT / name if name != "--help" else None)
         if anchor and page is not None and page.suffix == ".md" and anchor not in anchors(page):
@@ -352,3 +376,22 @@ def test_the_checks_catch_each_kind(text, problem, monkeypatch):
         except AssertionError as err:
             found.append(str(err))
     assert any(problem in f for f in found), found
+
+
+def test_the_readmes_distiller_subclass_runs_on_a_padded_teacher_vocabulary():
+    """The README's TopKDistiller, as printed, on a teacher whose vocabulary is padded past the student's (Qwen2-7B's
+    152,064 rows against 0.5B's 151,936): the padded rows are cut, and the loss is finite; without the cut, the
+    gather would index past the student's vocabulary."""
+    import torch
+
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+    (code,) = [b for b in blocks if "class TopKDistiller" in b]
+    namespace: dict[str, typing.Any] = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    student_vocab, teacher_vocab = 40, 48
+    teacher = torch.randn(2, 5, teacher_vocab)
+    teacher[..., student_vocab:] = 50.0  # padded rows the teacher would rank first
+    batch = {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    out = namespace["TopKDistiller"].compute_loss(None, types.SimpleNamespace(logits=torch.randn(2, 5, student_vocab)),
+                                                 types.SimpleNamespace(logits=teacher), batch)
+    assert torch.isfinite(out.total) and out.total >= 0

@@ -120,8 +120,8 @@ def auto_values(training: TrainingConfig, hidden_size: int | None, world_size: i
     """The value each ``"auto"`` key takes, by its dotted path. ZeRO-3 sizes follow transformers' rules.
 
     Below stage 3, ``reduce_bucket_size`` is DeepSpeed's own default (5e8), not transformers' hidden²: for a
-    0.5B student hidden² (0.8M) means ~600 tiny gradient reductions per backward, and 5e8 measured 5.6%
-    more tokens/s on 2xH200 (benchmarks/RESULTS.md).
+    0.5B student hidden² (0.8M) means hundreds of tiny gradient reductions per backward, and 5e8 is faster
+    (benchmarks/RESULTS.md).
     """
     values: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": training.micro_batch_size,

@@ -45,8 +45,8 @@ from distill_kit.errors import ConfigError
 Backend = Literal["torchao", "fake"]
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True}
 """Inductor options of an FP8 teacher's compiled layers (``kernels.apply`` passes them to ``torch.compile``): the
-tuning torchao recommends for quantised models, which the figures of issue #22 were measured with. It is most of
-a layer's cold compile (51.6 of 60 s for a 7B layer at 8 x 1,024 tokens: ``benchmarks/fp8_compile.py``). torchao
+tuning torchao recommends for quantised models, which the FP8 figures of benchmarks/RESULTS.md were taken with. It
+is most of a layer's cold compile (``benchmarks/fp8_compile.py``; its figures: benchmarks/RESULTS.md). torchao
 would set it for the whole process (``set_inductor_config``), every later compile included - the student's fused
 loss too; :func:`quantize_layer` turns that off and the options apply to the teacher's layers alone."""
 FP8_DTYPE = torch.float8_e4m3fn
@@ -65,7 +65,7 @@ def resolve(choice: str, dtype: str) -> str:
 
 def teacher_kernels(kernels: str, precision: str) -> str:
     """An FP8 teacher's ``auto`` kernels are ``compile``: eager dynamic quantisation spends on scaling and casting
-    what the FP8 matmuls save (measured 0.94x of bf16 on a 7B teacher, issue #22)."""
+    what the FP8 matmuls save (slower than bf16: benchmarks/RESULTS.md)."""
     return "compile" if precision == "fp8" and kernels == "auto" else kernels
 
 

@@ -45,15 +45,14 @@ CONFIG_DIR = PACKAGE_DIR.parent / "configs"
 STDLIB_CORPUS = "stdlib"
 
 
-# The embedded default's student: the shipped teacher's Llama shape, ~7x smaller (0.94M parameters). With
-# 512 training blocks (3% of the corpus: distillation helps most where data is scarce) seen ~6 times,
-# it measured held-out perplexity 194 distilled from random weights against 226 without the teacher
-# (teacher: 19.0; README). The no-teacher baseline keeps random weights of this shape.
+# The embedded default's student: the shipped teacher's Llama shape, smaller (0.94M parameters), trained on
+# 512 training blocks (3% of the corpus: distillation helps most where data is scarce). The no-teacher
+# baseline keeps random weights of this shape. Its figures: benchmarks/RESULTS.md.
 DEFAULT_STUDENT_INIT = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
                         "num_key_value_heads": 2, "intermediate_size": 352, "tie_word_embeddings": True}
-# The distilled student has the same shape, cut out of the teacher instead (README "Students that start from
-# their teacher"): every other layer (DistilBERT) and half of the width, by activation importance (Minitron).
-# Distilled, it closes about 91% of the gap to the teacher (README headline; per seed: benchmarks/RESULTS.md).
+# The distilled student has the same shape, cut out of the teacher instead: every other layer (DistilBERT) and
+# half of the width, by activation importance (Minitron; docs/students.md#students-cut-from-their-teacher).
+# How close it comes to the teacher, per seed: benchmarks/RESULTS.md.
 DEFAULT_STUDENT_CUT = FromTeacherConfig(every=2, hidden_size=128, intermediate_size=352, num_attention_heads=2,
                                         num_key_value_heads=2)
 
@@ -77,7 +76,7 @@ class RunConfig:
     usual for teachers weighted by skill), mixture (the loss against sum_k w_k p_k, the ensemble target of Hinton
     et al. 2015; suits peers on one task, and reverse KL/JSD; same gradient as sum for forward KL), or route (each
     chat conversation taught by the teacher its record names under data.teacher_field: specialist teachers of
-    their own domains; docs/teachers.md#routing)."""
+    their own domains; docs/teachers.md#routing-a-teacher-per-conversation)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
     student_tokenizer: str | None = None
@@ -308,10 +307,16 @@ def data_facts(config: RunConfig) -> Any:
 
 def lead_teacher(config: RunConfig) -> RunConfig:
     """The config with ``teacher`` set to the first of ``teachers``: the model that stands for "the teacher" where
-    one is meant (the tokenizer, a student's ``init``, ``init_from_teacher``). Unchanged without ``teachers``."""
+    one is meant (the tokenizer, a student's ``init``, ``init_from_teacher``). Unchanged without ``teachers``.
+    A served first teacher (a URL) has no tokenizer folder: its ``options.tokenizer`` is the run's unless
+    ``tokenizer`` is given."""
     if not config.teachers or config.teacher is not None:
         return config
-    return dataclasses.replace(config, teacher=config.teachers[0].model)
+    lead = config.teachers[0]
+    tokenizer = config.tokenizer
+    if tokenizer is None and isinstance(lead.model, str) and lead.model.startswith(("http://", "https://")):
+        tokenizer = lead.options.get("tokenizer")
+    return dataclasses.replace(config, teacher=lead.model, tokenizer=tokenizer)
 
 
 

@@ -14,7 +14,7 @@ token of the student's own attempts (on-policy), mistakes included, for prompts 
 regime post-training distillation is for. Three steps keep an answer at 27 tokens, so sampling every step
 stays cheap on a CPU (with five, the CPU budget's student did not learn the task even from unlimited answers).
 Results stay in 0..99 (an operation that would leave that range is flipped), so every number is at most two
-characters. The measured comparison is in the README ("On-policy distillation and the arithmetic benchmark").
+characters. The recipes and how they compare: docs/tasks.md#arithmetic; the figures: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

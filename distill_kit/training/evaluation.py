@@ -2,7 +2,7 @@
 
 Per counted token (next label not -100) it collects each model's negative log-likelihood, the
 teacher-student KL and both argmax tokens, gathers them from every rank, and lets the modules in
-``distill_kit/metrics`` turn them into perplexity, top-1 agreement and mean KL. The teacher runs once
+``distill_kit/training/metrics`` turn them into perplexity, top-1 agreement and mean KL. The teacher runs once
 per batch however many students are evaluated; every rank must pass the same number of batches (the
 ZeRO-3 teacher's forward is a collective), which the data loaders guarantee.
 

@@ -247,8 +247,7 @@ def sdpa_gqa(enabled: bool) -> Iterator[None]:
 def eager_layers(model: nn.Module) -> contextlib.AbstractContextManager:
     """Generation runs a model whose decoder layers are compiled one by one (``kernels: compile``; an FP8 teacher's
     default) eagerly: the layers were compiled for scoring, with no cache, and generating with one makes each layer
-    recompile for its own cache state, past dynamo's limit of 8 (measured on an H200: a seq_kd run's first 297
-    steps, the FP8 teacher sampling, took 5 min 48 s against 3 min 2 s with the bf16 teacher). Other models
+    recompile for its own cache state, past dynamo's limit of 8 (the cost: benchmarks/RESULTS.md). Other models
     generate as they are (transformers may compile their decode step)."""
     compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
@@ -261,7 +260,7 @@ def student_samples(config: OnPolicyConfig) -> bool:
 def student_kernels(choice: str, config: OnPolicyConfig) -> str:
     """The student's ``training.student_kernels`` when it samples: ``auto`` then means none. Liger's RMSNorm
     kernel inside the compiled static-cache decode step makes torch.compile assume it mutates the weights, so the
-    step runs without CUDA graphs (measured on an H200, benchmarks/RESULTS.md). An explicit ``liger`` is kept."""
+    step runs without CUDA graphs (the cost: benchmarks/RESULTS.md). An explicit ``liger`` is kept."""
     return "none" if choice == "auto" and student_samples(config) else choice
 
 
@@ -269,8 +268,8 @@ def teacher_liger(config: OnPolicyConfig) -> dict[str, bool]:
     """Liger options for the teacher when the student samples: no RoPE kernel. Liger's RoPE replaces a function of
     the architecture's modeling file, so a student of the teacher's architecture runs it too, and in the student's
     compiled decode step it breaks the graph in every layer: torch.compile recompiles the rest of the layer per
-    layer index until its limit (8) and runs the others eagerly, ~33 ms a token for a 0.5B student on an H200
-    (benchmarks/RESULTS.md). The teacher keeps Liger's RMSNorm and SwiGLU."""
+    layer index until its limit (8) and runs the others eagerly (the cost: benchmarks/RESULTS.md). The teacher
+    keeps Liger's RMSNorm and SwiGLU."""
     return {"rope": False} if student_samples(config) else {}
 
 
