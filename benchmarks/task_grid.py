@@ -39,6 +39,26 @@ COLUMNS = {
 }
 
 
+CELL_KEYS = {"task.seeds": "--seeds", "training.seed": "--seeds", "task.recipes": "--recipes", "output_dir": "--out",
+             "config": "--config"}
+"""What each cell's command sets itself (its seed, recipe, folder and config), with the grid's option for it: an
+override of one would replace the cell's own value in every cell, silently (the CLI takes the last)."""
+
+
+def overridden_cell_keys(overrides: list[str]) -> list[str]:
+    """The CLI overrides (``--key value``, ``--key=value``, ``key=value``) that name a key of :data:`CELL_KEYS`, each
+    as an error naming the grid's option instead."""
+    problems = []
+    for token in overrides:
+        if not (token.startswith("--") or ("=" in token and not token.startswith("-"))):
+            continue
+        key = token.removeprefix("--").split("=", 1)[0]
+        if key in CELL_KEYS:
+            problems.append(f"{token.split('=', 1)[0]}: each cell sets {key} itself (its seed, recipe, folder and "
+                            f"config), so an override would replace it in every cell; give {CELL_KEYS[key]} instead")
+    return problems
+
+
 def cells(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     grid = [(c, r, s) for c in args.columns for r in args.recipes for s in args.seeds]
     for extra in args.also:  # "fp8:seq_kd,on_policy_forward_kl"
@@ -94,6 +114,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads of each cell")
     args, args.overrides = parser.parse_known_args()  # the rest: CLI overrides for every cell (--training.x y)
+    problems = overridden_cell_keys(args.overrides)
+    if problems:
+        parser.error("; ".join(problems))  # before any cell runs or any folder is made
     grid, began, reports, lock = cells(args), time.perf_counter(), {}, threading.Lock()
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +13,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+
+LIBRARY_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
+"""Deprecation warnings that DeepSpeed's own calls raise (its ZeRO-3 gathers call torch's
+``all_gather_into_tensor``), not ours: the user can change nothing about them, so they are not printed at every
+run. Only these exact messages are filtered; any other warning, ours included, is printed as usual."""
+for _message in LIBRARY_WARNINGS:
+    warnings.filterwarnings("ignore", message=_message, category=FutureWarning)
 
 
 def _free_port() -> str:
