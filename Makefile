@@ -11,13 +11,18 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e .[dev]
 	touch $@
 
-.PHONY: distill test lint
+.PHONY: distill test test-fast lint
 distill: $(VENV)/.installed
 	$(PY) scripts/distill.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
+
+# The in-process tests only: no torchrun ranks, no CLI or script subprocess (those are marked slow at collection).
+test-fast: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow" tests
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -1,14 +1,67 @@
-"""A skipped multi-rank test is a failure: a harness that skips them on a CPU machine proves nothing."""
+"""A skipped multi-rank test is a failure: a harness that skips them on a CPU machine proves nothing.
+
+Tiers: a test that starts processes (torchrun ranks, the CLI or a script in a subprocess), itself, through a
+fixture or through a helper of its module, is marked ``slow`` at collection. ``make test`` runs every test (CI);
+``make test-fast`` runs ``-m "not slow"``: the in-process tests a developer runs after each change.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import types
+
 import pytest
+
+SPAWNS = re.compile(r"\b(run_ranks|subprocess\.(run|Popen|check_output|check_call|call)|torchrun|os\.fork)\b")
+"""What starts a process in a test's source."""
+
+
+@functools.cache
+def _spawning_helpers(module: types.ModuleType) -> frozenset[str]:
+    """Names of the module's own functions and classes that start processes, directly or through another such."""
+    sources = {}
+    for name, value in vars(module).items():
+        if (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module.__name__:
+            try:
+                sources[name] = inspect.getsource(value)
+            except (OSError, TypeError):
+                continue
+    found = {name for name, source in sources.items() if SPAWNS.search(source)}
+    while True:
+        more = {name for name, source in sources.items() if name not in found
+                and any(re.search(rf"\b{re.escape(other)}\(", source) for other in found)}
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _spawns(function: object) -> bool:
+    function = inspect.unwrap(function)
+    module = inspect.getmodule(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return bool(SPAWNS.search(source)) or (module is not None and any(
+        re.search(rf"\b{re.escape(name)}\(", source) for name in _spawning_helpers(module)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        functions = [getattr(item, "function", None), *(defs[-1].func for defs in fixtures.values() if defs)]
+        if "multirank" in item.keywords or any(f is not None and _spawns(f) for f in functions):
+            item.add_marker(pytest.mark.slow)
 
 _skipped_multirank: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multirank: launches several real ranks; skipping it fails the suite")
+    # registered here, not in pyproject.toml: the Makefile rebuilds .venv whenever pyproject.toml changes
+    config.addinivalue_line("markers", "slow: starts processes (ranks, the CLI, a script); not in make test-fast")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
