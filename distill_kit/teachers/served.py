@@ -113,6 +113,9 @@ def options_of(spec: TeacherSpec) -> dict[str, Any]:
 def _client(opts: Mapping[str, Any]) -> Any:
     import httpx
 
+    quiet = logging.getLogger("httpx")  # an INFO line per request (one or more a micro-batch) would bury the run's
+    if quiet.level == logging.NOTSET:   # log; its warnings stay, and a level the user set is kept
+        quiet.setLevel(logging.WARNING)
     key = os.environ.get(opts["api_key_env"]) if opts["api_key_env"] else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=opts["max_in_flight"] + 1, max_keepalive_connections=opts["max_in_flight"])
