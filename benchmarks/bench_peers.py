@@ -87,12 +87,15 @@ OPTIONS = {
 # The divergence each option names: our registry's loss, and TRL's beta (0 forward KL, 1 reverse KL).
 DIVERGENCES = {"fkl": ({"name": "forward_kl"}, 0.0), "rkl": ({"name": "reverse_kl"}, 1.0),
                "jsd": ({"name": "generalized_jsd", "beta": 0.5}, 0.5)}
-GPU_RUNS = {  # the default launch on one H200: pair -> runs (about 8 minutes with the default steps)
-    "qwen2-7b-0.5b": ["ours@16,32,48", "distill@16,32", "gkd@8,16", "ours@16+on", "distill@16+on"],
-    "llama3.2-1b-1b": ["ours@32", "distill@32", "gkd@16,32"],
-}
-SMOKE_RUNS = {"tiny": ["ours@2,3", "distill@2", "gkd@2", "ours@2+on", "distill@2+on", "gkd@2+on",
-                       "ours@2+rkl", "distill@2+rkl", "ours@2+jsd", "gkd@2+jsd"]}
+# The default launch on one H200, in order (about 8 minutes with the default steps; what --budget-s cannot fit is
+# recorded as not attempted): every framework at the same micro-batch on both pairs first, then the searches for
+# the largest micro-batch (each continues where the same run left off), then on-policy.
+GPU_RUNS = [("qwen2-7b-0.5b", "ours@16"), ("qwen2-7b-0.5b", "distill@16"), ("qwen2-7b-0.5b", "gkd@16"),
+            ("llama3.2-1b-1b", "ours@32"), ("llama3.2-1b-1b", "distill@32"), ("llama3.2-1b-1b", "gkd@32"),
+            ("qwen2-7b-0.5b", "ours@32,48"), ("qwen2-7b-0.5b", "distill@32"),
+            ("qwen2-7b-0.5b", "ours@16+on"), ("qwen2-7b-0.5b", "distill@16+on"), ("qwen2-7b-0.5b", "gkd@32")]
+SMOKE_RUNS = [("tiny", run) for run in ("ours@2,3", "distill@2", "gkd@2", "ours@2+on", "distill@2+on", "gkd@2+on",
+                                        "ours@2+rkl", "distill@2+rkl", "ours@2+jsd", "gkd@2+jsd")]
 
 
 @dataclass(frozen=True)
@@ -411,6 +414,7 @@ def worker(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         result |= {"status": "ok", "first_batch_loss": measured["losses"][0], **measured, **device_stats(device)}
     except torch.OutOfMemoryError as err:
         result |= {"status": "out of memory", "error": str(err).splitlines()[0][:300], **device_stats(device)}
+    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result["wall_s"] = time.perf_counter() - started
     return result
 
@@ -529,14 +533,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    import bench_step  # the ZeRO-3 sizes ours uses for every ZeRO-3 model, given to TRL's too
-    import pairs
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="directory for peers.json, peers.md and logs/")
     parser.add_argument("--smoke", action="store_true", help="the CPU smoke run: tiny pair, fp32, a few steps")
-    parser.add_argument("--pairs", nargs="+", default=None, choices=sorted(pairs.PAIRS),
-                        help="pairs to run (default: the GPU launch's two, or tiny with --smoke)")
+    parser.add_argument("--pairs", nargs="+", default=None,
+                        help="pairs.py's pairs to run (default: the GPU launch's two, or tiny with --smoke)")
     parser.add_argument("--runs", nargs="+", type=parse_run, default=None,
                         help="FRAMEWORK@MB[,MB...][+OPTION...] for every pair (default: each pair's own list); "
                         "frameworks: " + "; ".join(f"{k}: {v}" for k, v in FRAMEWORKS.items()) + "; options: "
@@ -550,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-size", type=int, default=1024, help="our logit loss's rows per chunk")
     parser.add_argument("--budget-s", type=float, default=500.0, help="no run starts after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pair", default=None, choices=sorted(pairs.PAIRS), help=argparse.SUPPRESS)  # a worker's pair
+    parser.add_argument("--pair", default=None, help=argparse.SUPPRESS)  # a worker's pair
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a worker's run (JSON)
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -566,7 +567,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.passthrough = ["--seq-len", str(args.seq_len), "--prompt-len", str(args.prompt_len), "--warmup",
                         str(args.warmup), "--steps", str(args.steps), "--chunk-size", str(args.chunk_size),
                         "--seed", str(args.seed), *(["--dtype", args.dtype] if args.dtype else [])]
-    args.zero3 = bench_step.parse_args(["--out", "unused"]).zero3
+    if args.worker is not None:  # the heavy imports only where a run is made
+        import bench_step  # the ZeRO-3 sizes ours uses for every ZeRO-3 model, given to TRL's too
+
+        args.zero3 = bench_step.parse_args(["--out", "unused"]).zero3
+    elif args.pairs:
+        import pairs
+
+        if unknown := sorted(set(args.pairs) - set(pairs.PAIRS)):
+            parser.error(f"unknown pairs {unknown}: pairs.py has {sorted(pairs.PAIRS)}")
     return args
 
 
@@ -579,51 +588,54 @@ def main() -> None:
     import torch
 
     defaults = SMOKE_RUNS if args.smoke else GPU_RUNS
-    fallback = GPU_RUNS["qwen2-7b-0.5b"]  # a pair with no list of its own gets the main pair's
-    plan = {pair: args.runs or defaults.get(pair, fallback) for pair in args.pairs or list(defaults)}
-    plan = {pair: [r if isinstance(r, Run) else parse_run(r) for r in runs] for pair, runs in plan.items()}
+    pairs_ = args.pairs or list(dict.fromkeys(pair for pair, _ in defaults))
+    if args.runs:  # every given run on every pair, pair by pair
+        plan = [(pair, run) for pair in pairs_ for run in args.runs]
+    else:  # the default list's entries for these pairs
+        plan = [(pair, parse_run(run)) for pair, run in defaults if pair in pairs_]
     trl = trl_version()
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available()  # no CUDA context here: the workers get the whole GPU
     result: dict[str, Any] = {
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "machine": torch.cuda.get_device_name(0) if cuda else "CPU",
+                 "machine": "CPU" if not cuda else "GPU (the runs' device)",
                  "command": "python benchmarks/bench_peers.py " + shlex.join(sys.argv[1:]),
                  "seq_len": args.seq_len, "prompt_len": args.prompt_len, "dtype": args.dtype or
                  ("bf16" if cuda else "fp32"), "warmup": args.warmup, "steps": args.steps,
                  "chunk_size": args.chunk_size, "frameworks": FRAMEWORKS, "options": OPTIONS,
-                 "plan": {p: [asdict(r) for r in runs] for p, runs in plan.items()},
+                 "plan": [{"pair": pair, **asdict(run)} for pair, run in plan],
                  "versions": {"torch": torch.__version__, "trl": trl}},
         "runs": [],
     }
     started = time.perf_counter()
-    estimate: dict[str, float] = {}  # per framework, the longest run so far: whether the next one fits the budget
-    for pair, runs in plan.items():
-        for run in runs:
-            for micro_batch in run.micro_batches:
-                last = [r for r in result["runs"] if r["pair"] == pair and r["key"] == run.key]
-                left = args.budget_s - (time.perf_counter() - started)
-                described = {"label": run.label(micro_batch), "key": run.key, "framework": run.framework,
-                             "micro_batch": micro_batch, "options": list(run.options), "divergence": run.divergence,
-                             "policy": "on" if run.on_policy else "off", "pair": pair}
-                if last and last[-1]["status"] != "ok":
-                    break  # a smaller micro-batch already ran out of memory (or failed)
-                if run.framework != "ours" and trl is None:
-                    result["runs"].append(described | {"status": "skipped: trl is not installed"})
-                    break
-                if left < estimate.get(run.framework, 0.0):
-                    result["runs"].append(described | {"status": f"not attempted: {left:.0f} s of --budget-s left"})
-                    break
-                outcome = launch(pair, run, micro_batch, args, timeout=max(left, 60.0))
-                estimate[run.framework] = max(estimate.get(run.framework, 0.0), outcome["wall_s"])
-                result["runs"].append(outcome)
-                result["summary"] = summarize(result["runs"])
-                result["meta"]["wall_s"] = time.perf_counter() - started
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "peers.json").write_text(json.dumps(result, indent=2))
-                (args.out / "peers.md").write_text(markdown(result))
-                print(f"{pair} {outcome['label']}: {outcome['status']}"
-                      + (f", {outcome['tokens_per_s_per_gpu']:,.0f} tokens/s, loss {outcome['first_batch_loss']:.6g}"
-                         if outcome["status"] == "ok" else ""), flush=True)
+    estimate: dict[tuple[str, bool], float] = {}  # the longest run so far per framework and policy
+    for pair, run in plan:
+        for micro_batch in run.micro_batches:
+            last = [r for r in result["runs"] if r["pair"] == pair and r["key"] == run.key]
+            left = args.budget_s - (time.perf_counter() - started)
+            described = {"label": run.label(micro_batch), "key": run.key, "framework": run.framework,
+                         "micro_batch": micro_batch, "options": list(run.options), "divergence": run.divergence,
+                         "policy": "on" if run.on_policy else "off", "pair": pair}
+            if last and last[-1]["status"] != "ok":
+                break  # a smaller micro-batch already ran out of memory (or failed)
+            if run.framework != "ours" and trl is None:
+                result["runs"].append(described | {"status": "skipped: trl is not installed"})
+                break
+            if left < estimate.get((run.framework, run.on_policy), 60.0 if cuda else 0.0):
+                result["runs"].append(described | {"status": f"not attempted: {left:.0f} s of --budget-s left"})
+                break
+            outcome = launch(pair, run, micro_batch, args, timeout=max(left, 60.0))
+            key = (run.framework, run.on_policy)
+            estimate[key] = max(estimate.get(key, 0.0), outcome["wall_s"])
+            result["runs"].append(outcome)
+            result["meta"]["machine"] = outcome.get("device", result["meta"]["machine"])
+            result["summary"] = summarize(result["runs"])
+            result["meta"]["wall_s"] = time.perf_counter() - started
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "peers.json").write_text(json.dumps(result, indent=2))
+            (args.out / "peers.md").write_text(markdown(result))
+            print(f"{pair} {outcome['label']}: {outcome['status']}"
+                  + (f", {outcome['tokens_per_s_per_gpu']:,.0f} tokens/s, loss {outcome['first_batch_loss']:.6g}"
+                     if outcome["status"] == "ok" else ""), flush=True)
     result["summary"] = summarize(result["runs"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "peers.json").write_text(json.dumps(result, indent=2))
