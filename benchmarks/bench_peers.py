@@ -30,13 +30,15 @@ its generation returns the data's completions (``_generate_single_turn``), and t
 Per run: tokens/s per GPU (every forwarded token, median step after ``--warmup``), peak memory
 (``torch.cuda.max_memory_allocated``, weights and optimizer included), the first batch's loss. A run given several
 micro-batches (``ours@16,32``) tries them in increasing order until one runs out of memory; the largest that ran is
-recorded. A run that would start past ``--budget-s`` is not attempted. Results: ``OUT/peers.json`` and
+recorded. A run that would end past ``--budget-s`` is not attempted (and recorded so). Results: ``OUT/peers.json`` and
 ``OUT/peers.md``, rewritten after every run; each run's log in ``OUT/logs/``.
 
-GPU (one H200; about 8 minutes, cold compiles included; ``.whl`` carries trl 1.16.0, the rest is in the image or
-in ``.whl`` already)::
+GPU (one H200; under 9 minutes, cold compiles and the wheels' install included: ``--budget-s`` is the deadline for
+the last run to end, by the longest run of its kind so far; ``.whl`` carries trl 1.16.0, the rest is in the image or
+in ``.whl`` already). The device returns at most 8 files, so the logs come back as one archive::
 
-    source .whl/env.sh && python benchmarks/bench_peers.py --out $OUT/peers
+    source .whl/env.sh && python benchmarks/bench_peers.py --out /tmp/peers; \
+        cp /tmp/peers/peers.json /tmp/peers/peers.md $OUT/ && tar czf $OUT/peers_logs.tgz -C /tmp/peers logs
 
 On a machine with a network, ``pip install -e .[peers]`` installs TRL (the ``peers`` extra, trl==1.16.0; TRL is
 in no other extra). Wheels for the offline GPU machine, Python 3.12 manylinux x86_64, into ``.whl/`` (every other
@@ -549,7 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4; smoke 2)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
     parser.add_argument("--chunk-size", type=int, default=1024, help="our logit loss's rows per chunk")
-    parser.add_argument("--budget-s", type=float, default=500.0, help="no run starts after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=470.0,
+                        help="seconds by which the last run must end: a run starts only if the longest run of its "
+                        "framework and policy so far (60 s before the first on a GPU) fits in what is left")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pair", default=None, help=argparse.SUPPRESS)  # a worker's pair
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a worker's run (JSON)
