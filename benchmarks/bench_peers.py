@@ -14,7 +14,7 @@ anything behind for the next), started by this script in turn on the same GPU; a
 * ``gkd``: TRL's ``GKDTrainer`` (full logits of both models, its ``generalized_jsd_loss``), the same DeepSpeed and
   Liger settings.
 
-Options: ``on`` (on-policy: the student samples ``--new-tokens`` after a ``--prompt-len`` prompt, every step;
+Options: ``on`` (on-policy: the student samples the row's rest after a ``--prompt-len`` prompt, every step;
 TRL's generation is transformers' ``generate``, without vLLM: vLLM does not run on the GPU machine), ``rkl`` /
 ``jsd`` (reverse KL, DistillationTrainer's default ``beta=1``; JSD ``beta=0.5``, GKD's default) instead of forward
 KL, ``z2`` (TRL under ZeRO-2: the student ZeRO-2 and the teacher replicated, stage 0, as ``prepare_deepspeed``
@@ -23,7 +23,7 @@ does for any stage but 3), ``gc`` (gradient checkpointing on, TRL's default).
 Every model gets the same weights whatever builds it (``seeded_init``: each parameter drawn from a generator
 seeded by its name), and every framework reads the same rows: off-policy, a one-token prompt and the rest as the
 completion, so each loss counts the same ``B x (T - 1)`` positions; temperature 1. So the loss each reports on the
-first batch (before any update) must agree with ours off-policy (the table's "vs ours" column); on-policy the
+first batch (before any update) must agree with ours off-policy (the second table's "rel. diff"); on-policy the
 samples differ, and so do the losses. DistillationTrainer has no off-policy mode (it always samples): off-policy,
 its generation returns the data's completions (``_generate_single_turn``), and the rest of its step is its own.
 
@@ -37,7 +37,7 @@ GPU (one H200; under 9 minutes, cold compiles and the wheels' install included: 
 the last run to end, by the longest run of its kind so far; ``.whl`` carries trl 1.16.0, the rest is in the image or
 in ``.whl`` already). The device returns at most 8 files, so the logs come back as one archive::
 
-    source .whl/env.sh && python benchmarks/bench_peers.py --out /tmp/peers; \
+    source .whl/env.sh && python3 benchmarks/bench_peers.py --out /tmp/peers; \\
         cp /tmp/peers/peers.json /tmp/peers/peers.md $OUT/ && tar czf $OUT/peers_logs.tgz -C /tmp/peers logs
 
 On a machine with a network, ``pip install -e .[peers]`` installs TRL (the ``peers`` extra, trl==1.16.0; TRL is
