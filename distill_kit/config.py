@@ -372,7 +372,7 @@ class EvalConfig:
 # The default rows: the ceiling, the baseline, and the two recipes that learn the task (docs/tasks.md); the rest
 # run with task.recipes. Four rows at three seeds fit the seeded table's 20 minutes on a 2-core CPU.
 RECIPES = ("teacher", "sft", "seq_kd", "on_policy_forward_kl")
-EXTRA_RECIPES = ("forward_kl", "on_policy_reverse_kl", "on_policy_jsd", "mixed")
+EXTRA_RECIPES = ("forward_kl", "on_policy_reverse_kl", "on_policy_jsd", "mixed", "self_distill")
 
 
 @dataclass(frozen=True)
@@ -394,7 +394,8 @@ class TaskConfig:
     samples are noise the teacher cannot correct (GKD; on-policy from scratch: docs/tasks.md)."""
     recipes: tuple[str, ...] = RECIPES
     """Which rows to run: by default teacher, sft, seq_kd and on_policy_forward_kl; also forward_kl,
-    on_policy_reverse_kl, on_policy_jsd and mixed (how they compare: docs/tasks.md)."""
+    on_policy_reverse_kl, on_policy_jsd, mixed and self_distill (the student its own teacher, the labelled answers
+    in its prompt; how they compare: docs/tasks.md)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Each recipe runs once per seed, as training.seed (its data draw, initial student, batch order and sampling);
     the table gives the mean exact match, its range and each seed's value. [0]: the one-seed quick mode."""
@@ -490,7 +491,8 @@ class TeacherSpec:
     ``pkg.module:Class`` (a :class:`distill_kit.teachers.Teacher` subclass); in Python also a built ``nn.Module``.
     With several teachers each must use the student's tokenizer (logits are compared id by id)."""
     kind: str = "auto"
-    """The backend: auto (read from model), engine, store, or pkg.module:Class (then model is handed to it)."""
+    """The backend: auto (read from model), engine, store, served, self (the student itself reading a privileged
+    prompt: no model; docs/teachers.md#the-student-as-its-own-teacher), or pkg.module:Class (model is handed to it)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The backend's own settings, e.g. a store's {tail_bucket: false}; each backend names the ones it takes."""
     weight: float = 1.0
@@ -502,7 +504,7 @@ class TeacherSpec:
 
     def __post_init__(self) -> None:
         _check_name(self.name, "teacher")
-        if self.model is None and ":" not in self.kind:
+        if self.model is None and ":" not in self.kind and self.kind != "self":  # a self-teacher is the student
             raise ValueError(f"teacher {self.name!r} has no model: give model: path/to/teacher")
         if not (isinstance(self.weight, int | float) and not isinstance(self.weight, bool)
                 and math.isfinite(self.weight) and self.weight >= 0):

@@ -121,6 +121,7 @@ class Distiller(Trainer):
                             adapters=self.plan.adapters.get(s.name), main=distributed.is_main(),
                             config=self.plan.student_configs[s.name])
             for s in student_specs}
+        self.teachers.attach(self.students)  # a teacher made of a student (kind self) takes it now, before any step
         self._hooks_take_student = {hook: "student" in inspect.signature(getattr(self, hook)).parameters
                                     for hook in ("student_forward", "compute_loss")}
         if len(self.students) > 1 and not all(self._hooks_take_student.values()):
@@ -173,7 +174,7 @@ class Distiller(Trainer):
         if "teacher_input_ids" in batch:
             inputs |= {"input_ids": batch["teacher_input_ids"], "attention_mask": batch["teacher_attention_mask"]}
             inputs.pop("position_ids", None)
-        return inputs
+        return inputs | {key: batch[key] for key in self.teachers.batch_keys if key in batch}  # e.g. a self-teacher's
 
     def teacher_forward(self, batch: Batch) -> Any:
         """One forward of every teacher, shared by every student: an output, or ``{name: output}`` for several;

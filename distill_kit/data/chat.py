@@ -74,6 +74,7 @@ import torch
 from transformers import DataCollatorWithFlattening, PreTrainedTokenizerBase
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
+from distill_kit.data import privileged
 from distill_kit.data.blocks import (
     IGNORE_INDEX,
     DataConfig,
@@ -82,6 +83,7 @@ from distill_kit.data.blocks import (
     _check_rank,
     load_text,
 )
+from distill_kit.data.privileged import PrivilegedTemplate
 from distill_kit.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,8 @@ FEATURES = datasets.Features({
 })
 ROUTED_FEATURES = datasets.Features({**FEATURES, "teacher": datasets.Value("string")})
 """Conversations of a routed run (``combine: route``): each also names its teacher."""
+PRIVILEGED_COLUMN = "privileged"
+"""A self-teacher's prompt of each conversation (``data/privileged.py``): its tokens before the first counted label."""
 
 Batch = dict[str, torch.Tensor]
 Message = dict[str, str]
@@ -390,10 +394,14 @@ class ChatSplits:
 
 
 def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, block_size: int,
-                     stats: ChatStats, teacher_field: str | None = None) -> datasets.Dataset:
+                     stats: ChatStats, teacher_field: str | None = None,
+                     privileged: PrivilegedTemplate | None = None) -> datasets.Dataset:
     """Validate, render and truncate every record (every error is raised before any training). ``teacher_field``:
-    the key naming each record's teacher (``combine: route``), which every record must then have."""
+    the key naming each record's teacher (``combine: route``), which every record must then have. ``privileged``:
+    a self-teacher's template (``data/privileged.py``): each conversation also keeps the teacher's prompt."""
     features = ROUTED_FEATURES if teacher_field else FEATURES
+    if privileged is not None:
+        features = datasets.Features({**features, PRIVILEGED_COLUMN: datasets.Sequence(datasets.Value("int32"))})
     chunks, rows = [], {name: [] for name in features}
 
     def flush() -> None:
@@ -421,6 +429,8 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
         values = (ids, labels, len(ids), counted, where)
         if teacher_field:
             values += (record_teacher(record, where, teacher_field),)
+        if privileged is not None:
+            values += (privileged_prompt_of(record, messages, encoder, ids, labels, privileged, where),)
         for name, value in zip(features, values, strict=True):
             rows[name].append(value)
         if len(rows["length"]) >= CHUNK_RECORDS:
@@ -429,6 +439,20 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
     if not chunks:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     return datasets.concatenate_datasets(chunks)
+
+
+def privileged_prompt_of(record: Any, messages: list[Message], encoder: ChatEncoder, ids: list[int],
+                         labels: list[int], template: PrivilegedTemplate, where: str) -> list[int]:
+    """The self-teacher's prompt of one conversation: the record rendered with ``template``'s message, up to its first
+    counted label (checked to leave the rest of the conversation as the plain rendering has it)."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == ASSISTANT]
+    answered = messages[-1]["role"] == ASSISTANT
+    prompt_end = (assistants[-1] if encoder.assistant_turns == "last" else assistants[0]) if answered else len(messages)
+    teacher_ids, teacher_labels = encoder.encode(template.messages(record, messages, prompt_end, where), where)
+    start, teacher_start, cut = privileged.first_counted(labels), privileged.first_counted(teacher_labels), None
+    if start is not None and teacher_start is not None:  # a truncated row keeps its answer's first tokens: those
+        cut = teacher_start + len(ids) - start
+    return privileged.privileged_prompt(ids, labels, teacher_ids[:cut], teacher_labels[:cut], where)
 
 
 def record_teacher(record: Any, where: str, field: str) -> str:
@@ -441,17 +465,20 @@ def record_teacher(record: Any, where: str, field: str) -> str:
     return name
 
 
-def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, route: bool = False) -> ChatSplits:
+def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, route: bool = False,
+                 privileged: PrivilegedTemplate | None = None) -> ChatSplits:
     """Read, validate, render and hold out chat records as ``config`` says (``data.heldout`` or a fraction);
-    ``route``: each record names its teacher (``data.teacher_field``)."""
+    ``route``: each record names its teacher (``data.teacher_field``); ``privileged``: a self-teacher's template,
+    whose prompt each conversation also keeps (``data/privileged.py``)."""
     if config.streaming:
         raise ConfigError("data.streaming is for text; chat records are tokenised up front (set it to false)")
     encoder = ChatEncoder(tokenizer, resolve_template(tokenizer, config.chat_template), config.assistant_turns)
     stats = {"train": ChatStats(), "heldout": ChatStats()}
     field = config.teacher_field if route else None
-    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"], field)
+    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"], field, privileged)
     if config.heldout is not None:
-        heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"], field)
+        heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"], field,
+                                   privileged)
     else:
         if len(train) < 2:
             raise ConfigError(f"data.train holds {len(train)} usable chat record(s): too few to hold any out; "
@@ -670,6 +697,8 @@ class ChatLoader(EpochLoader):
         _check_rank(rank, world_size, micro_batch_size)
         if route is not None and packing:
             raise ConfigError(ROUTED_PACKING)
+        if packing and PRIVILEGED_COLUMN in dataset.column_names:
+            raise ConfigError(privileged.PACKING)
         global_batch = world_size * micro_batch_size
         if len(dataset) == 0:
             raise ValueError("the dataset has no conversations: check the data files")
@@ -758,10 +787,14 @@ class ChatLoader(EpochLoader):
         rows = self.dataset[chosen] if chosen else {"input_ids": [], "labels": []}
         ids = list(rows["input_ids"]) + [[self.pad_id]] * short
         labels = list(rows["labels"]) + [[IGNORE_INDEX]] * short
+        extra = {}
+        if PRIVILEGED_COLUMN in self.dataset.column_names:  # a self-teacher's prompts (data/privileged.py)
+            extra = privileged.pad_prompts(list(rows.get(PRIVILEGED_COLUMN, [])) + [[self.pad_id]] * short,
+                                           self.pad_id)
         if self.teacher_ids is None:
-            return pad_rows(ids, labels, self.pad_id)
+            return pad_rows(ids, labels, self.pad_id) | extra
         labels = [[IGNORE_INDEX] * len(row) if filler else row for row, filler in zip(labels, fillers, strict=True)]
-        return pad_rows(ids, labels, self.pad_id) | {
+        return pad_rows(ids, labels, self.pad_id) | extra | {
             "teacher_id": torch.tensor([self.teacher_ids[i] for i in chosen], dtype=torch.long)}
 
 

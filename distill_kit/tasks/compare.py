@@ -11,6 +11,8 @@ Every recipe starts from the same initial student (the run's first ``students`` 
     on_policy_reverse_kl    the on-policy recipe with reverse KL                                   } in task.recipes
     on_policy_jsd           the same with generalized JSD, beta 0.5                                }
     mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
+    self_distill            the student its own teacher (kind self, frozen initial weights) reading the labelled
+                            answer in its prompt, forward KL on its own samples of the labelled prompts (SDFT)
 
 Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
 metric) and the teacher-student KL on the held-out reference answers; the table gives the share of the
@@ -30,12 +32,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill_kit.config import StudentSpec
+from distill_kit.config import StudentSpec, TeacherSpec
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
+from distill_kit.data.privileged import PrivilegedTemplate
 from distill_kit.distiller import Distiller
 from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError
@@ -43,7 +47,9 @@ from distill_kit.run import run_config
 from distill_kit.run.run_config import RunConfig, to_dict
 from distill_kit.tasks import arithmetic
 from distill_kit.tasks.evaluate import exact_match
+from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
+from distill_kit.training.plan import DataFacts
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +67,20 @@ class Mixed:
             yield chat.pad_rows([r[0] for r in rows], [r[1] for r in rows], self.pad_id)
 
 
-def chat_split(tokenizer, train: Path, heldout: Path) -> chat.ChatSplits:
-    """The task's JSONL records tokenised by the chat data pipeline (the teacher's template, answers counted)."""
+def chat_split(tokenizer, train: Path, heldout: Path, privileged: PrivilegedTemplate | None = None) -> chat.ChatSplits:
+    """The task's JSONL records tokenised by the chat data pipeline (the teacher's template, answers counted);
+    ``privileged``: with a self-teacher's prompts (``data/privileged.py``)."""
     return chat.build_splits(DataConfig(train=str(train), heldout=str(heldout), format="chat", block_size=128),
-                             tokenizer)
+                             tokenizer, privileged=privileged)
+
+
+SELF_TEMPLATE = PrivilegedTemplate("{completion}")
+"""self_distill's privileged prompt: the question replaced by its worked answer (which begins with the question's
+numbers). The whole answer, not the question and the answer: the teacher's row (prompt + the student's answer) then
+stays within the student's 64 positions."""
+SELF_TEACHER = TeacherSpec(name="self", kind="self", options={"mode": "initial", "privileged": SELF_TEMPLATE})
+"""The frozen warm-started student (TRL SDFT's default teacher, ``base``): the only weights that learned to read the
+answer from the prompt; the student's own, trained on plain prompts only, drift away from that (``ema``/``live``)."""
 
 
 def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: bool = False) -> dict[str, Any]:
@@ -123,22 +139,51 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
             "prompts": lambda: chat.ChatLoader(unanswered, mbs, pad_id=pad, seed=seed),
             "mixed": lambda: Mixed(chat.ChatLoader(answered.train, mbs - mbs // 2, pad_id=pad, seed=seed),
                                    chat.ChatLoader(unanswered, mbs // 2, pad_id=pad, seed=seed), pad)}
+    if "self_distill" in task.recipes:  # the labelled answers as the self-teacher's privileged prompts
+        own = chat_split(tokenizer, files["labelled"], files["heldout"], privileged=SELF_TEMPLATE)
+        both = datasets.concatenate_datasets([answered.train, chat_split(
+            tokenizer, arithmetic.write_jsonl(out / "data" / "labelled_privileged.jsonl", [
+                dataclasses.replace(item, prompt=item.answer) for item in labelled], with_answers=True),
+            files["heldout"]).train])
+        data |= {"labelled_privileged": lambda: chat.ChatLoader(own.train, mbs, pad_id=pad, seed=seed),
+                 "labelled_both": lambda: chat.ChatLoader(both, mbs, pad_id=pad, seed=seed)}
     sampling = dataclasses.replace(config.training.on_policy, max_new_tokens=task.max_new_tokens,
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
 
     def train(name: str, start: str, loss: Any, batches: str, steps: int, on_policy: OnPolicyConfig | None = None):
         training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
                                        on_policy=on_policy or OnPolicyConfig())
-        distiller = Distiller(start, config.teacher, loss=loss, training=training,
-                              deepspeed=run_config.deepspeed_settings(config))
+        teachers = {"teachers": [SELF_TEACHER]} if name == "self_distill" else {"teacher": config.teacher}
+        distiller = Distiller(start, **teachers, loss=loss, training=training,
+                              deepspeed=run_config.deepspeed_settings(config), data=DataFacts(kind="chat"))
         distiller.train(data[batches]())
         return distiller
+
+    def answer_kl(name: str, distiller: Distiller) -> float:
+        """Mean KL from the task's teacher to the student on the held-out answers; a self-taught student's is taken
+        against the task's teacher too (its own teacher is itself), outside the Distiller."""
+        if name != "self_distill":
+            return distiller.evaluate(heldout_batches)["student"]["mean_kl"]
+        external = AutoModelForCausalLM.from_pretrained(config.teacher).eval()
+        student = distiller.student_model
+
+        def forward(model):
+            return lambda batch: model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        was_training = student.training
+        student.eval()
+        try:
+            with torch.no_grad():
+                figures = evaluation.evaluate_students({"student": forward(student)}, forward(external),
+                                                       heldout_batches, distiller.device)
+        finally:
+            student.train(was_training)
+        return figures["student"]["mean_kl"]
 
     def score(name: str, distiller: Distiller, seconds: float) -> dict[str, Any]:
         started = time.perf_counter()
         row = {"recipe": name,
                "exact_match": exact_match(distiller.student_model, tokenizer, heldout, task.max_new_tokens),
-               "answer_kl": distiller.evaluate(heldout_batches)["student"]["mean_kl"], "train_seconds": seconds}
+               "answer_kl": answer_kl(name, distiller), "train_seconds": seconds}
         logger.info("%s: %s (evaluated in %.1fs)", name, row, time.perf_counter() - started)
         return row
 
@@ -153,6 +198,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         "on_policy_jsd": lambda: ({"name": "generalized_jsd", "beta": 0.5}, "prompts", on_policy, warm),
         "on_policy_forward_kl": lambda: ("forward_kl", "prompts", on_policy, warm),
         "mixed": lambda: ("reverse_kl", "mixed", dataclasses.replace(on_policy, fraction=0.5), 0),
+        "self_distill": lambda: ("forward_kl", "labelled_privileged", on_policy, warm),
     }
     rows: list[dict[str, Any]] = []
     warm_start: tuple[str, float] | None = None
@@ -166,7 +212,12 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
             continue
         loss, batches, sampler, warm_steps = recipes[name]()
         start, seconds = init, 0.0
-        if warm_steps:
+        if warm_steps and name == "self_distill":  # its own: the answers also read from the prompt (SELF_TEMPLATE)
+            started = time.perf_counter()
+            sft = train("warm_start_self", init, "cross_entropy", "labelled_both", warm_steps)
+            sft.student_model.save_pretrained(out / "init" / "warm_start_self")
+            start, seconds = str(out / "init" / "warm_start_self"), time.perf_counter() - started
+        elif warm_steps:
             if warm_start is None:  # one warm start, shared by the on-policy recipes; its time is charged to each
                 started = time.perf_counter()
                 sft = train("warm_start", init, "cross_entropy", "labelled", warm_steps)

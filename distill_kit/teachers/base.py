@@ -25,7 +25,7 @@ What ``forward`` returns is an object with ``logits``, and ``hidden_states`` / `
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -101,14 +101,29 @@ class Teacher(ABC):
     """The backend's name in cards and errors; a class given by import path is named by that path."""
     options: ClassVar[tuple[str, ...]] = ()
     """The ``TeacherSpec.options`` keys it takes; any other key is refused by the plan."""
+    batch_keys: ClassVar[tuple[str, ...]] = ()
+    """Keys of the micro-batch its ``forward`` reads besides the model inputs (a self-teacher: the labels and its
+    privileged prompts); only this kind's forward gets them."""
 
     @classmethod
     @abstractmethod
     def describe(cls, spec: TeacherSpec) -> TeacherCard:
         """Its card, from the spec alone (configs and manifests may be read; weights never are)."""
 
+    @classmethod
+    def run_problems(cls, spec: TeacherSpec, card: TeacherCard, *, students: Sequence[Any], training: TrainingConfig,
+                     data: Any) -> list[str]:
+        """Every use of this teacher the run cannot serve, beyond what its card says (the plan reports them with the
+        rest, before anything loads): ``students`` the run's specs, ``data`` its ``DataFacts``. Default: none."""
+        return []
+
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         self.spec, self.card, self.setup = spec, card, setup
+
+    def attach(self, students: Mapping[str, Any]) -> None:
+        """Called once the run's students are built (``{name: training.student.Student}``), before any step or
+        resume: a teacher made of a student (kind ``self``) takes it here. Others: nothing."""
+        return None
 
     @abstractmethod
     def forward(self, inputs: Mapping[str, Any]) -> Any:

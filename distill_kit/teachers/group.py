@@ -41,6 +41,21 @@ class Teachers:
     def __len__(self) -> int:
         return len(self.members)
 
+    def attach(self, students: Mapping[str, Any]) -> None:
+        """Hand every teacher the built students (a self-teacher is made of one: ``Teacher.attach``)."""
+        for teacher in self.members.values():
+            teacher.attach(students)
+
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        """The micro-batch keys some teacher reads besides the model inputs (``Teacher.batch_keys``)."""
+        return tuple(dict.fromkeys(key for teacher in self.members.values() for key in teacher.batch_keys))
+
+    def _own(self, teacher: Teacher, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``inputs`` without the batch keys only other teachers read."""
+        extra = set(self.batch_keys) - set(teacher.batch_keys)
+        return inputs if not extra else {k: v for k, v in inputs.items() if k not in extra}
+
     @property
     def first(self) -> Any:
         """The first teacher's model (an engine, a captured store's module): "the teacher" where one is meant."""
@@ -59,13 +74,13 @@ class Teachers:
         with torch.no_grad():
             if route is not None:
                 return self.routed(inputs, route)
-            outputs = {name: teacher.forward(inputs) for name, teacher in self.members.items()}
+            outputs = {name: teacher.forward(self._own(teacher, inputs)) for name, teacher in self.members.items()}
         return next(iter(outputs.values())) if len(outputs) == 1 else outputs
 
     def prefetch(self, inputs: Mapping[str, Any]) -> None:
         """Start every teacher that can (a server) on the next micro-batch's ``inputs``; the others do nothing."""
         for teacher in self.members.values():
-            teacher.prefetch(inputs)
+            teacher.prefetch(self._own(teacher, inputs))
 
     def routed(self, inputs: Mapping[str, Any], route: torch.Tensor) -> SimpleNamespace:
         """Each row's logits from the teacher ``route`` names for it (vocabularies cut to the smallest).
@@ -82,7 +97,8 @@ class Teachers:
         for index in needed.nonzero().flatten().tolist():
             rows = (route == index).nonzero().flatten()
             sub = rows if len(rows) else route.new_zeros(1)  # a forward this rank only joins
-            out = members[index].forward({k: v[sub] if torch.is_tensor(v) else v for k, v in inputs.items()})
+            own = self._own(members[index], inputs)
+            out = members[index].forward({k: v[sub] if torch.is_tensor(v) else v for k, v in own.items()})
             vocab = self.vocab_size or out.logits.shape[-1]
             if logits is None:
                 logits = out.logits.new_zeros((route.shape[0], out.logits.shape[1], vocab))

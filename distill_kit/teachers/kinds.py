@@ -17,7 +17,7 @@ from distill_kit.errors import ConfigError
 from distill_kit.teachers.base import Teacher, TeacherCard
 
 KINDS = {"engine": "distill_kit.teachers.engine:EngineTeacher", "store": "distill_kit.teachers.store:StoreTeacher",
-         "served": "distill_kit.teachers.served:ServedTeacher"}
+         "served": "distill_kit.teachers.served:ServedTeacher", "self": "distill_kit.teachers.self_teacher:SelfTeacher"}
 """Each named kind's class, by import path (imported only when used: a store run never imports DeepSpeed's engine)."""
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

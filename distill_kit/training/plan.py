@@ -121,6 +121,9 @@ def make_plan(
     if len(cards) < len(teachers) or len(student_configs) < len(students):
         _raise(problems)  # the rest is sized by the models' configs
     problems += capability_problems(students, teachers, cards, training, combine)
+    for spec in teachers:  # what a kind itself refuses of the run (a self-teacher: several students, text data)
+        problems += kinds.teacher_class(spec).run_problems(spec, cards[spec.name], students=students,
+                                                           training=training, data=data)
     losses = {}
     for s in students:
         try:
