@@ -95,7 +95,8 @@ DIVERGENCES = {"fkl": ({"name": "forward_kl"}, 0.0), "rkl": ({"name": "reverse_k
 GPU_RUNS = [("qwen2-7b-0.5b", "ours@16"), ("qwen2-7b-0.5b", "distill@16"), ("qwen2-7b-0.5b", "gkd@16"),
             ("llama3.2-1b-1b", "ours@32"), ("llama3.2-1b-1b", "distill@32"), ("llama3.2-1b-1b", "gkd@32"),
             ("qwen2-7b-0.5b", "ours@32,48"), ("qwen2-7b-0.5b", "distill@32"),
-            ("qwen2-7b-0.5b", "ours@16+on"), ("qwen2-7b-0.5b", "distill@16+on"), ("qwen2-7b-0.5b", "gkd@32")]
+            ("qwen2-7b-0.5b", "ours@16+on"), ("qwen2-7b-0.5b", "distill@16+on"), ("qwen2-7b-0.5b", "distill@16+z2"),
+            ("qwen2-7b-0.5b", "gkd@32")]
 SMOKE_RUNS = [("tiny", run) for run in ("ours@2,3", "distill@2", "gkd@2", "ours@2+on", "distill@2+on", "gkd@2+on",
                                         "ours@2+rkl", "distill@2+rkl", "ours@2+jsd", "gkd@2+jsd")]
 

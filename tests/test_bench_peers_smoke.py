@@ -53,7 +53,10 @@ def test_trl_side_reports_our_loss(tmp_path):
 
 def test_run_names():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_peers import parse_run
+    from bench_peers import GPU_RUNS, SMOKE_RUNS, parse_run
+
+    for _, text in GPU_RUNS + SMOKE_RUNS:  # the default launches' runs are all well formed
+        parse_run(text)
 
     run = parse_run("distill@32,16+on+z2")
     assert run.micro_batches == (16, 32) and run.on_policy and run.divergence == "fkl"
