@@ -104,6 +104,9 @@ def test_bad_on_policy_settings_are_named():
         run_config.load(None, ["--task.seeds", "[1, 1]"])
     with pytest.raises(run_config.ConfigError, match="training.seed: 5 is not used by the task benchmark"):
         run_config.load(str(ROOT / "configs/arithmetic.yaml"), ["--training.seed", "5"])
+    for key, value in (("distiller", "no_such_pkg.kd:TopKDistiller"), ("combine", "mixture")):
+        with pytest.raises(run_config.ConfigError, match=rf"reads none of \['{key}'\]; drop them"):
+            run_config.load(str(ROOT / "configs/arithmetic.yaml"), [f"{key}={value}"])
     assert TrainingConfig(on_policy={"fraction": 0.5}).on_policy.fraction == 0.5
 
 

@@ -278,7 +278,7 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     distributed.init()
     config = with_output_dir(config, resume)
     if config.task.name is not None:  # a task benchmark: its recipes in turn, one table
-        return run_task(config, resume)
+        return run_task(config, resume, held)
     out = Path(config.output_dir)
     distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
@@ -309,14 +309,21 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     return write_report(config, students, out, tokenizer, params, log, data_config, started)
 
 
-def run_task(config: RunConfig, resume: bool) -> dict[str, Any]:
-    """A task benchmark (``task.name``): its recipes in turn, one table (``tasks/compare.py``)."""
-    if config.teachers is not None:
-        raise ConfigError(f"task.name: the {config.task.name} benchmark compares recipes of one teacher; give it "
-                          "teacher: instead of teachers:")
+def run_task(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any]:
+    """A task benchmark (``task.name``): its recipes in turn, one table (``tasks/compare.py``), its folder locked
+    as a run's is."""
     from distill_kit.tasks import compare
     validate.validate(config, resume, run_identity(config), run_config.data_facts(config),
                       checks=validate.TASK_CHECKS)
+    problem = None
+    if distributed.is_main():
+        try:
+            held.enter_context(output_dir.Lock(Path(config.output_dir)))
+        except ConfigError as err:
+            problem = str(err)
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(problem)
     return compare.run(config, prepare_student, resume)
 
 

@@ -124,6 +124,10 @@ class RunConfig:
         if self.teacher_block_size is not None and self.teacher_block_size < 2:
             raise ConfigError(f"teacher_block_size: {self.teacher_block_size} teacher tokens per block leave the "
                               "teacher no token to predict; give at least 2 (or null: data.block_size)")
+        ignored = [key for key, unset in TASK_IGNORES.items() if getattr(self, key) != unset]
+        if self.task.name is not None and ignored:  # a key a path does not read is refused, never recorded
+            raise ConfigError(f"task.name: the {self.task.name} benchmark compares recipes of one teacher (teacher:) "
+                              f"and reads none of {ignored}; drop them, or drop task.name to train with them")
         if self.task.name is not None and self.training.seed != 0 and self.training.seed not in self.task.seeds:
             raise ConfigError(f"training.seed: {self.training.seed} is not used by the task benchmark, which runs "
                               f"every recipe at each of task.seeds {list(self.task.seeds)}; give "
@@ -286,6 +290,10 @@ def load(config_file: str | Path | None = None, overrides: Sequence[str] = ()) -
     if given.get("teachers") is not None and "teacher" not in given:
         tree["teacher"] = None  # the default teacher gives way to the user's teachers; both given is an error
     return build(RunConfig, tree)
+
+
+TASK_IGNORES = {"teachers": None, "distiller": None, "student_tokenizer": None, "combine": "sum"}
+"""Keys a task benchmark does not read (its recipes build their own runs), with their unset values."""
 
 
 def deepspeed_settings(config: RunConfig) -> DeepSpeedSettings:

@@ -426,7 +426,13 @@ def check_teachers(config: RunConfig, data: DataFacts) -> list[str]:
     return problems
 
 
-TASK_CHECKS: list[Check] = [check_plan, check_models, check_student_tokenizers, check_students]
+def check_not_in_use(start: Start) -> list[str]:
+    """A live run holds the folder (its lock): refused by name before any work."""
+    busy = output_dir.in_use(start.config.output_dir)
+    return [] if busy is None else [busy]
+
+
+TASK_CHECKS: list[Check] = [check_not_in_use, check_plan, check_models, check_student_tokenizers, check_students]
 """A task benchmark's (``task.name``): it writes its own data and report, so only the models and the plan."""
 
 
