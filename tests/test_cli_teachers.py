@@ -150,7 +150,7 @@ def test_report_and_checkpoints_record_every_teacher(runs, tiny):
     (lambda t: [f"teacher={t['a']}", "combine=mixture"], "combine: mixture combines several teachers; give them as"),
     (lambda t: ["teacher=null"], "teacher: none given; give teacher: path/to/teacher, or several as teachers:"),
     (lambda t: [*_teachers(t), "task.name=arithmetic", "task.warm_start_steps=1"],
-     "task.name: the arithmetic benchmark compares recipes of one teacher; give it teacher: instead of teachers:"),
+     "task.name: the arithmetic benchmark compares recipes of one teacher (teacher:) and reads none of ['teachers']"),
     (lambda t: [*_teachers(t), "student_tokenizer=bpe:300"],
      "student_tokenizer with teachers: distilling across tokenizers (cross_tokenizer) takes one teacher"),
 ])
