@@ -8,8 +8,14 @@ student part, checkpoints, evaluation, export) beside ``teachers/`` (the teacher
 main job: run config, CLI, report) and ``tasks/`` (seeded task benchmarks with exact checkers).
 """
 
-from distill_kit.config import (AdapterConfig, DeepSpeedSettings, OnPolicyConfig, StudentSpec, TeacherSpec,
-                                TrainingConfig)
+from distill_kit.config import (
+                                AdapterConfig,
+                                DeepSpeedSettings,
+                                OnPolicyConfig,
+                                StudentSpec,
+                                TeacherSpec,
+                                TrainingConfig,
+)
 from distill_kit.distiller import Distiller
 from distill_kit.offline.captured_teacher import CapturedTeacher
 from distill_kit.teachers import Teacher, TeacherCard
