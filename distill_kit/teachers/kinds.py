@@ -37,7 +37,8 @@ def import_class(path: str, key: str) -> type[Teacher]:
                           "PYTHONPATH, imports cleanly, and the class is spelled as in its file") from None
     if not (isinstance(found, type) and issubclass(found, Teacher)):
         raise ConfigError(f"{key}: {path!r} is not a distill_kit.teachers.Teacher subclass; subclass it and write "
-                          "describe, __init__ and forward (docs/teachers.md#kinds-of-teacher-and-a-teacher-of-your-own)")
+                          "describe, __init__ and forward "
+                          "(docs/teachers.md#kinds-of-teacher-and-a-teacher-of-your-own)")
     return found
 
 
