@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib
 import importlib.util
 import inspect
 import math
@@ -416,6 +417,23 @@ class TaskConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"task.max_new_tokens: {self.max_new_tokens} tokens leaves no answer to sample or "
                              "generate; give 1 or more (the task's answers are 27 tokens)")
+
+
+def import_subclass(path: str, base: type, key: str, fix: str) -> type:
+    """``pkg.module:Class``, which must subclass ``base``: what a run config names by import path (a Distiller, a
+    teacher). One ``ConfigError`` naming ``key`` for every way it can fail (no such module or class, the module's
+    own error, another class), ``fix`` saying what the class must be."""
+    module_name, _, class_name = path.partition(":")
+    if not module_name or not class_name:
+        raise ConfigError(f"{key}: {path!r} is not an import path; write 'pkg.module:Class'")
+    try:
+        found = getattr(importlib.import_module(module_name), class_name)
+    except Exception as err:  # noqa: BLE001 - a missing module, a typo, or the module's own error (a SyntaxError)
+        raise ConfigError(f"{key}: cannot import {path!r} ({type(err).__name__}: {err}); check the module is on "
+                          "PYTHONPATH, imports cleanly, and the class is spelled as in its file") from None
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise ConfigError(f"{key}: {path!r} is not a subclass of {base.__module__}.{base.__name__}; {fix}")
+    return found
 
 
 def _check_name(name: Any, kind: str) -> None:

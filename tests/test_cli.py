@@ -280,7 +280,7 @@ def test_too_little_data_is_a_config_error_and_claims_nothing(tiny, tmp_path):
 @pytest.mark.parametrize(("value", "message"), [
     ("tests.user_distillers", "distiller: 'tests.user_distillers' is not an import path; write 'pkg.module:Class'"),
     ("tests.no_such_module:X", "distiller: cannot import 'tests.no_such_module:X'"),
-    ("tests.user_distillers:NotADistiller", "is not a subclass of distill_kit.Distiller; subclass it"),
+    ("tests.user_distillers:NotADistiller", "is not a subclass of distill_kit.distiller.Distiller; subclass it"),
 ])
 def test_a_distiller_that_cannot_run_is_a_config_error_before_any_work(tmp_path, value, message):
     config = run_config.load(None, [f"distiller={value}", f"output_dir={tmp_path / 'run'}"])
@@ -288,3 +288,12 @@ def test_a_distiller_that_cannot_run_is_a_config_error_before_any_work(tmp_path,
         cli.distiller_class(config)
     assert cli.distiller_class(run_config.load(None, ["distiller=tests.user_distillers:MarkedDistiller"])).__name__ \
         == "MarkedDistiller"
+
+
+def test_a_distiller_module_that_fails_to_import_is_one_config_error(tmp_path, monkeypatch):
+    """Any error the module raises while imported (here a SyntaxError) is the one message, never a traceback."""
+    (tmp_path / "broken_kd.py").write_text("class Broken(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = run_config.load(None, ["distiller=broken_kd:Broken", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(run_config.ConfigError, match=r"distiller: cannot import 'broken_kd:Broken' \(SyntaxError"):
+        cli.distiller_class(config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import shutil
@@ -19,7 +18,7 @@ import datasets
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit.config import StudentSpec, TeacherSpec
+from distill_kit.config import StudentSpec, TeacherSpec, import_subclass
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.distiller import Distiller
@@ -187,19 +186,8 @@ def distiller_class(config: RunConfig) -> type[Distiller]:
     that overrides one hook), or :class:`Distiller` itself."""
     if config.distiller is None:
         return Distiller
-    module_name, _, class_name = config.distiller.partition(":")
-    if not module_name or not class_name:
-        raise ConfigError(f"distiller: {config.distiller!r} is not an import path; write 'pkg.module:Class'")
-    try:
-        found = getattr(importlib.import_module(module_name), class_name)
-    except Exception as err:  # noqa: BLE001 - a missing module, a typo, or the module's own error (a SyntaxError)
-        raise ConfigError(f"distiller: cannot import {config.distiller!r} ({type(err).__name__}: {err}); check the "
-                          "module is on PYTHONPATH, imports cleanly, and the class is spelled as in its file") from None
-    if not (isinstance(found, type) and issubclass(found, Distiller)):
-        raise ConfigError(f"distiller: {config.distiller!r} is not a subclass of distill_kit.Distiller; subclass it "
-                          "and override the hooks you need (make_batch, teacher_forward, student_forward, "
-                          "compute_loss)")
-    return found
+    return import_subclass(config.distiller, Distiller, "distiller", "subclass it and override the hooks you need "
+                           "(make_batch, teacher_forward, student_forward, compute_loss)")
 
 
 def build_distiller(config: RunConfig, specs: list[StudentSpec], plan: Plan | None, data: DataFacts,

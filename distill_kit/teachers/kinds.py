@@ -12,7 +12,7 @@ import importlib
 import re
 from pathlib import Path
 
-from distill_kit.config import TeacherSpec
+from distill_kit.config import TeacherSpec, import_subclass
 from distill_kit.errors import ConfigError
 from distill_kit.teachers.base import Teacher, TeacherCard
 
@@ -29,17 +29,8 @@ def is_import_path(value: object) -> bool:
 
 def import_class(path: str, key: str) -> type[Teacher]:
     """``pkg.module:Class``, which must be a :class:`Teacher` subclass; a ``ConfigError`` naming ``key`` otherwise."""
-    module_name, _, class_name = path.partition(":")
-    try:
-        found = getattr(importlib.import_module(module_name), class_name)
-    except Exception as err:  # noqa: BLE001 - a missing module, a typo, or the module's own error: one message
-        raise ConfigError(f"{key}: cannot import {path!r} ({type(err).__name__}: {err}); check the module is on "
-                          "PYTHONPATH, imports cleanly, and the class is spelled as in its file") from None
-    if not (isinstance(found, type) and issubclass(found, Teacher)):
-        raise ConfigError(f"{key}: {path!r} is not a distill_kit.teachers.Teacher subclass; subclass it and write "
-                          "describe, __init__ and forward "
-                          "(docs/teachers.md#kinds-of-teacher-and-a-teacher-of-your-own)")
-    return found
+    return import_subclass(path, Teacher, key, "subclass it and write describe, __init__ and forward "
+                           "(docs/teachers.md#kinds-of-teacher-and-a-teacher-of-your-own)")
 
 
 def kind_of(spec: TeacherSpec) -> str:
