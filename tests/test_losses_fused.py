@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from spies import linear_rows
 from test_losses import LOGIT_LOSSES, build, make_batch
 from test_losses_sparse import DIVERGENCES, top_k
 from tiny_models import gpt2_config
@@ -101,19 +102,8 @@ def test_no_full_logits_exist_in_forward_or_for_backward():
     hidden = torch.randn(1, n_tokens, hidden_size, requires_grad=True)
     teacher = SimpleNamespace(logits=torch.randn(1, n_tokens, vocab))
     loss = build("forward_kl", chunk_size=chunk)
-    created = []
-    real_linear = torch.nn.functional.linear
-
-    def watched(*args, **kwargs):
-        out = real_linear(*args, **kwargs)
-        created.append(out.shape[0])
-        return out
-
-    torch.nn.functional.linear = watched
-    try:
+    with linear_rows() as created:
         value = loss(HeadOutput(hidden, layer), teacher, batch).total
-    finally:
-        torch.nn.functional.linear = real_linear
     assert created and max(created) <= chunk  # logits were only ever made one chunk at a time
     node = value.grad_fn
     while not node.name().startswith("_FusedHeadLoss"):

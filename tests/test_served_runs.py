@@ -13,7 +13,6 @@ killed at the end. About 2 minutes on 2 shared CPU cores, most of it the servers
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_cli import write_texts  # local text: the standard library's json package and this project's run/
-from test_served_teacher import KEY, KEY_ENV, TEACHER, Server, free_port
+from test_served_teacher import KEY_ENV, TEACHER, running_server
 from tiny_tokenizers import bpe
 from transformers import AutoModelForCausalLM
 
@@ -86,15 +85,8 @@ def server(tmp_path_factory):
     """One server for the file (fp32, CPU, this process's thread count: CPU matmuls may sum in another order with
     another count), and a second one loading meanwhile that takes over the port when told (the restart after the
     kill: ~1 s, not a start-up)."""
-    os.environ[KEY_ENV] = KEY
-    srv = Server(free_port(), tmp_path_factory.mktemp("served") / "restart")
-    try:
-        srv.start()
-        srv.prepare_restart()
+    with running_server(tmp_path_factory.mktemp("served") / "restart") as srv:
         yield srv
-    finally:
-        srv.kill_all()
-        os.environ.pop(KEY_ENV, None)
 
 
 def _args(texts: Path, out: Path, teacher: dict[str, Any], *extra: str) -> list[str]:

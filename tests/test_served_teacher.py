@@ -13,8 +13,8 @@ server's start.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from launch import free_port
 from transformers import AutoModelForCausalLM
 
 from distill_kit.config import TeacherSpec
@@ -44,12 +45,6 @@ FIXTURES = Path(__file__).parent / "fixtures" / "served"
 KEY, KEY_ENV = "sk-test-31", "DISTILL_KIT_TEST_TEACHER_KEY"
 STARTUP_S = 180  # a bounded wait: importing torch, transformers and DeepSpeed on a busy 2-core machine
 B, T, K = 4, 40, 8
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
@@ -113,10 +108,11 @@ class Server:
         assert reply.status_code == 200, reply.text
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def running_server(restart_dir: Path):
+    """A server up (and its replacement loading, for a restart), its key in the environment; all of it gone after."""
     os.environ[KEY_ENV] = KEY
-    srv = Server(free_port(), tmp_path_factory.mktemp("served") / "restart")
+    srv = Server(free_port(), restart_dir)
     try:
         srv.start()
         srv.prepare_restart()
@@ -124,6 +120,12 @@ def server(tmp_path_factory):
     finally:
         srv.kill_all()
         os.environ.pop(KEY_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("served") / "restart") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

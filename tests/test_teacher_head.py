@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from spies import linear_rows
 from test_losses import make_batch
 from tiny_models import gpt2_config, qwen2_config
 from tolerances import SPREAD
@@ -129,19 +130,8 @@ def test_no_full_teacher_logits_and_the_head_reaches_the_step_as_an_input():
     chunk_loss = loss.chunk_loss(loss.teacher_targets(teacher), batch["labels"].reshape(-1))
     assert [t.data_ptr() for t in chunk_loss.shared] == [teacher_head.weight.data_ptr(), teacher_head.bias.data_ptr()]
     assert not any(t.requires_grad for t in chunk_loss.shared + chunk_loss.targets)  # the teacher is not trained
-    created = []
-    real_linear = torch.nn.functional.linear
-
-    def watched(*args, **kwargs):
-        out = real_linear(*args, **kwargs)
-        created.append(out.shape[0])
-        return out
-
-    torch.nn.functional.linear = watched
-    try:
+    with linear_rows() as created:
         loss(student, teacher, batch).total.backward()
-    finally:
-        torch.nn.functional.linear = real_linear
     assert len(created) == 2 * n_tokens // chunk  # a student chunk and a teacher chunk, per chunk
     assert max(created) <= chunk and teacher._logits is None
 
