@@ -33,7 +33,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from transformers import AutoConfig
 
-from distill_kit import Distiller, TrainingConfig
+from distill_kit import DeepSpeedSettings, Distiller, TrainingConfig
 from distill_kit.config import CONFIG_DIR, StudentSpec
 from distill_kit.distiller import Batch
 from distill_kit.engines import deepspeed_config, distributed
@@ -104,8 +104,9 @@ def compare(
     separate_runs = {}
     for spec in students:
         alone = Distiller(_build(spec.model), _build(teacher), loss=spec.loss, training=spec.training(training),
-                          student_ds_config=spec.ds_config or student_ds_config,
-                          student_ds_overrides=spec.ds_overrides, teacher_ds_config=teacher_ds_config)
+                          deepspeed=DeepSpeedSettings(student=spec.ds_config or student_ds_config,
+                                                      teacher=teacher_ds_config,
+                                                      student_overrides=dict(spec.ds_overrides)))
         separate_runs[spec.name] = _timed(alone, batches, warmup)
         del alone
         _release()
