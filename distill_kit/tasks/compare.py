@@ -164,7 +164,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         against the task's teacher too (its own teacher is itself), outside the Distiller."""
         if name != "self_distill":
             return distiller.evaluate(heldout_batches)["student"]["mean_kl"]
-        external = AutoModelForCausalLM.from_pretrained(config.teacher).eval()
+        external = AutoModelForCausalLM.from_pretrained(config.teacher).eval().to(distiller.device)
         student = distiller.student_model
 
         def forward(model):
