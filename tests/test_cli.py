@@ -236,7 +236,7 @@ def test_every_start_problem_is_found_before_any_work_or_write(tiny, tmp_path):
             "--student_ds_overrides", "{gradient_clipingg: 1.0}",
             f"training.checkpoint_dir={tmp_path / 'a_file' / 'checkpoints'}"]
     message = _main_error(*args)
-    assert "3 problems" in message
+    assert "4 problems" in message  # the DeepSpeed key in each of the two students' configs, the data, the disk
     assert "data.heldout: " in message and "latin1.txt is not UTF-8 text: line 1 has the byte 0xe9" in message
     assert "unknown key 'gradient_clipingg' (DeepSpeed would ignore it); did you mean 'gradient_clipping'?" in message
     assert f"training.checkpoint_dir '{tmp_path / 'a_file' / 'checkpoints'}' cannot be created" in message

@@ -149,6 +149,8 @@ def _changes(saved: Mapping[str, Any], identity: Mapping[str, Any]) -> list[str]
 
 def _owner(folder: Path) -> dict[str, Any] | None:
     """The claim in a checkpoint folder (:data:`OWNER`), its output folder resolved; None when it has none."""
+    if not (folder / OWNER).is_file():  # no claim (or ``folder`` is no folder at all: a file on the path)
+        return None
     try:
         owner = json.loads((folder / OWNER).read_text())
         owner["resolved"] = os.path.realpath(folder / owner["output_dir"])
@@ -249,10 +251,13 @@ def check(directory: str | Path, run_identity: Mapping[str, Any], *, resume: boo
     directory = Path(directory)
     identity = json.loads(json.dumps(run_identity, default=str))  # as it will read back from disk
     problems = folder_problems(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir)
+    claim = _owner(Path(checkpoint_dir)) if checkpoint_dir is not None else None
+    if claim is None or claim.get("resolved") == os.path.realpath(directory):
+        # its own checkpoint folder (or an unclaimed one): the output folder's verdict names what changed
+        _check_output(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir, record=False)
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems:\n" + "\n".join(f"- {p}" for p in problems))
-    _check_output(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir, record=False)
     if not record:
         return
     _check_output(directory, identity, resume=resume, checkpoint_dir=checkpoint_dir, record=True)

@@ -343,14 +343,14 @@ def _position_problems(student_configs: Mapping[str, Any], cards: Mapping[str, T
 def _tokenizer_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
                         cards: Mapping[str, TeacherCard], tokenizer: str | None) -> list[str]:
     """Every student folder and teacher with a tokenizer has the run's vocabulary (logits are compared id by id)."""
-    others = [("the student" if len(students) == 1 else f"students[{s.name}].model", s.model)
-              for s in students if models.has_tokenizer(s.model)]
+    others = [(f"students[{s.name}].model", s.model) for s in students if models.has_tokenizer(s.model)]
     others += [(f"teachers[{t.name}]", cards[t.name].tokenizer) for t in teachers if cards[t.name].tokenizer]
     fingerprinted = [(f"teachers[{t.name}]", cards[t.name]) for t in teachers if not cards[t.name].tokenizer]
     if tokenizer is None:  # Python: the first student's, else the first teacher's
         if not others:
             return []
         (label, tokenizer), others = others[0], others[1:]
+        label = "the student" if len(students) == 1 and label.startswith("students[") else label
         return tokenizer_problems((label, tokenizer), others) + fingerprint_problems(fingerprinted, tokenizer, label)
     return tokenizer_problems(("the run", tokenizer), [(label, source) for label, source in others
                                                        if str(source) != str(tokenizer)]) + fingerprint_problems(
