@@ -68,6 +68,45 @@ def test_the_plan_sets_and_checks_the_on_policy_row_limit_against_every_model(se
 # ---- 4 and 5: settings that need no training, found before the claim ----------------------------------------
 
 
+def test_every_rule_that_reads_one_model_reads_every_model(setup):
+    """Positions, the on-policy limit and routing's packing are the plan's, over every teacher (not the first
+    alone): a second teacher of fewer positions is named, with the fix; an explicit limit is held to the same."""
+    root = setup["root"]
+    short = _model_dir(root / "short", n_positions=48)
+    teachers = ["teacher=null", "--teachers", f"[{{name: a, model: {setup['teacher']}}}, {{name: b, model: {short}}}]"]
+    (problem,) = validate.check_plan(_start(setup, *teachers, "data.block_size=64",
+                                            "--students", "[{name: s, init: {n_layer: 1}}]"))
+    assert problem.startswith("data.block_size: 64 tokens per row, but teachers[b] reads at most 48 positions")
+    chat = [f"data.train={root / 'chat.jsonl'}", "data.block_size=32", "training.on_policy.fraction=0.5"]
+    (problem,) = validate.check_plan(_start(setup, *teachers, *chat, "training.on_policy.max_length=60"))
+    assert problem.startswith("training.on_policy.max_length: 60 tokens, but teachers[b] reads at most 48")
+    routed = validate.check_plan(_start(setup, *teachers, *chat, "combine=route", "training.on_policy.pack_to=32"))
+    assert any(p.startswith("training.on_policy.pack_to with combine: route is not supported yet") for p in routed)
+
+
+def test_a_teachers_mistake_is_named_once_without_a_doubled_prefix(setup):
+    config = run_config.load(None, ["teacher=null", "--teachers",
+                                    f"[{{name: a, model: {setup['teacher']}}}, {{name: a, model: {setup['teacher']}}}]"])
+    (problem,) = validate.check_teachers(config, validate.DataFacts())
+    assert problem.startswith("teachers: the names ['a'] are given more than once") and "teachers: teachers" not in problem
+
+
+def test_a_data_file_deleted_before_a_resume_is_named_once_as_missing(setup):
+    root = setup["root"]
+    (root / "heldout.txt").write_text("other text\n")
+    args = (f"data.heldout={root / 'heldout.txt'}",)
+    start = _start(setup, *args)
+    from distill_kit.run import output_dir
+    out = Path(start.config.output_dir)
+    output_dir.check(out, start.identity, resume=False)
+    output_dir.record_data(out, validate.data_fingerprint(start.config))
+    (root / "heldout.txt").unlink()
+    resumed = _start(setup, *args, resume=True)
+    assert output_dir.data_changes(out, validate.data_fingerprint(resumed.config)) == []
+    (problem,) = validate.check_data(resumed)
+    assert problem.startswith("data.heldout: ") and "heldout.txt" in problem
+
+
 @pytest.mark.parametrize(("students", "message"), [
     ("[{name: s, init: {n_layer: 1}, loss: {name: reverse_kl, temprature: 2}}]",
      "students[s].loss: bad parameters for loss 'reverse_kl'"),

@@ -344,7 +344,9 @@ def data_changes(directory: str | Path, fingerprint: Mapping[str, Mapping[str, s
         before, now = saved.get(key, {}), fingerprint.get(key, {})
         if before == now:
             continue
-        changed = sorted(f for f in before.keys() | now.keys() if before.get(f) != now.get(f))
+        changed = sorted(f for f in before.keys() | now.keys() if before.get(f) != now.get(f) and Path(f).exists())
+        if not changed:  # only files that are gone: the data check names each missing file, once
+            continue
         problems.append(f"{key}: the content of {', '.join(changed)} differs from what the run in {directory} "
                         "started on (sha256 in data_fingerprint.json): the checkpoint's data position would point "
                         "into other text. Put the data back as it was to resume, or start a new run in another "
