@@ -85,10 +85,11 @@ def test_every_rule_that_reads_one_model_reads_every_model(setup):
 
 
 def test_a_teachers_mistake_is_named_once_without_a_doubled_prefix(setup):
-    config = run_config.load(None, ["teacher=null", "--teachers",
-                                    f"[{{name: a, model: {setup['teacher']}}}, {{name: a, model: {setup['teacher']}}}]"])
+    twice = f"[{{name: a, model: {setup['teacher']}}}, {{name: a, model: {setup['teacher']}}}]"
+    config = run_config.load(None, ["teacher=null", "--teachers", twice])
     (problem,) = validate.check_teachers(config, validate.DataFacts())
-    assert problem.startswith("teachers: the names ['a'] are given more than once") and "teachers: teachers" not in problem
+    assert problem.startswith("teachers: the names ['a'] are given more than once")
+    assert "teachers: teachers" not in problem
 
 
 def test_a_data_file_deleted_before_a_resume_is_named_once_as_missing(setup):
