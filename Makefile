@@ -15,14 +15,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 distill: $(VENV)/.installed
 	$(PY) scripts/distill.py $(ARGS)
 
+# Two pytest workers, one per core (pytest-xdist), each test file whole on one worker (its module fixtures built once).
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The in-process tests only: no torchrun ranks, no CLI or script subprocess (those are marked slow at collection).
 test-fast: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import run_ranks
+from launch import clean_environment, run_ranks
 from test_chat_data import SCRIPT, _assistant_perplexity, _chat_args, tiny_chat, tokenizer  # noqa: F401
 from tiny_models import VOCAB, gpt2_config, llama_config, qwen2_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -343,7 +342,7 @@ def test_the_packing_benchmark_runs_on_the_cpu(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_packing.py"), "--pair", "tiny", "--conversations",
                     "40", "--max-length", "256", "--block-size", "256", "--micro-batch", "2", "--steps", "1",
                     "--warmup", "0", "--out", str(out)], cwd=ROOT, check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**clean_environment(), "PYTHONPATH": str(ROOT)})
     modes = json.loads(out.read_text())["modes"]
     assert set(modes) == {"packed", "grouped", "random"}
     assert all(m["counted_tokens_per_s"] > 0 for m in modes.values())

@@ -18,6 +18,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from launch import clean_environment
 from torch import nn
 
 from distill_kit import TrainingConfig
@@ -198,7 +199,15 @@ def test_a_group_skips_a_step_only_when_every_model_discarded_it():
         scaled.all_or_none(4, {"small": True, "big": False}, record)
 
 
-def test_a_signal_becomes_a_request_and_a_second_one_interrupts():
+@pytest.fixture()
+def python_sigint():
+    """Python's own Ctrl-C handler while the test runs (a pytest-xdist worker ignores SIGINT): what a run has."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_becomes_a_request_and_a_second_one_interrupts(python_sigint):
     previous = signal.getsignal(signal.SIGINT)
     with StopRequest(torch.device("cpu")) as stop:
         assert not stop.agreed()
@@ -312,7 +321,7 @@ def test_rank_state_holds_only_json_and_tensors(tmp_path):
                         teacher_sha256=None, keep_last=1)
 
 
-def test_a_second_ctrl_c_interrupts_through_nested_stop_requests():
+def test_a_second_ctrl_c_interrupts_through_nested_stop_requests(python_sigint):
     """The CLI holds a request around the loop's own: the second Ctrl-C must still interrupt, and a second
     SIGTERM must still end the process (the handler from before both is put back)."""
     previous = signal.getsignal(signal.SIGINT)
@@ -330,7 +339,7 @@ def test_a_second_ctrl_c_interrupts_through_nested_stop_requests():
             "    time.sleep(1)\n"
             "print('survived')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                          env=clean_environment() | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == -signal.SIGTERM and "survived" not in done.stdout, done.stderr
 
 

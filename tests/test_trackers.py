@@ -5,13 +5,13 @@ not installed here, so it is checked against a stand-in ``SummaryWriter``."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from launch import clean_environment
 
 from distill_kit.run import run_config, trackers
 from distill_kit.run.log import RunLog
@@ -70,7 +70,7 @@ print(json.dumps(seen))
 def test_wandb_writes_an_offline_run_with_the_config(tmp_path):
     """In a fresh interpreter: W&B's background service shares the process with whatever ran before."""
     pytest.importorskip("wandb")
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"} | {  # offline by default
+    env = {k: v for k, v in clean_environment().items() if k != "WANDB_MODE"} | {  # offline by default
         "WANDB_SILENT": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     directory = tmp_path / "run"
     done = subprocess.run([sys.executable, "-c", WANDB_RUN, str(directory)], env=env, capture_output=True, text=True,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import clean_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,8 @@ def test_deepspeeds_deprecated_gather_prints_nothing_and_other_warnings_still_do
             "dist.all_gather_into_tensor(out, torch.ones(2))\n"
             "warnings.warn('old_setting is deprecated', FutureWarning)\n"
             "print('gathered', out.tolist())\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=clean_environment())
     assert done.returncode == 0 and "gathered [1.0, 1.0]" in done.stdout, done.stderr[-2000:]
     assert "all_gather_into_tensor` is deprecated" not in done.stderr
     assert "old_setting is deprecated" in done.stderr
@@ -33,7 +35,7 @@ def test_the_task_grid_refuses_a_seed_override_before_any_cell_runs(tmp_path):
     out = tmp_path / "grid"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks/task_grid.py"), "--out", str(out), "--seeds", "0",
                            "--training.max_steps", "2", "--task.seeds", "[7]"], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=clean_environment())
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--task.seeds: each cell sets task.seeds itself" in done.stderr and "give --seeds instead" in done.stderr
     assert not out.exists()  # refused before any cell ran or any folder was made
