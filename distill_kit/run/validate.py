@@ -125,7 +125,8 @@ def check_models(start: Start) -> list[str]:
                             "written by save_pretrained")
     if kind_of(first) != "engine":  # a server (or a store) has no weights here to cut a student out of
         problems += [f"students[{s.name}].init_from_teacher cuts the student out of the teacher's weights, and the "
-                     f"teacher {config.teacher!r} is a {kind_of(first)} teacher (none here): build it with init "
+                     f"teacher {config.teacher!r} holds no weights here (its kind: "
+                     f"{'a class of its own' if ':' in kind_of(first) else kind_of(first)}): build it with init "
                      "(the teacher's config, e.g. init: {num_hidden_layers: 4}) or give model: a folder"
                      for s in config.students if s.init_from_teacher is not None]
     if kind_of(first) == "served" and config.tokenizer is None:

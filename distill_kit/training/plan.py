@@ -116,6 +116,8 @@ def make_plan(
     problems: list[str] = []
     check_shape(students, teachers, training, combine, vocab_map)
     cards = _cards(teachers, problems)
+    if len(cards) < len(teachers):
+        _raise(problems)  # a student built from the teacher, every loss and config: all follow from the cards
     lead = next(iter(cards.values()), None)
     student_configs = {s.name: config for s in students if (config := _student_config(s, lead, problems)) is not None}
     if len(cards) < len(teachers) or len(student_configs) < len(students):
