@@ -245,6 +245,9 @@ def test_every_start_problem_is_found_before_any_work_or_write(tiny, tmp_path):
     assert f"teacher: the folder '{tmp_path / 'empty_teacher'}' holds no model (no config.json)" in message
     message = _main_error(*_run_args(tiny, out), "--students", "[{name: s, init: {n_layer: 1, n_embdd: 32}}]")
     assert "students[s].init: ['n_embdd'] are not fields of the teacher's GPT2Config" in message
+    message = _main_error(*_run_args(tiny, out), "--students", "[{name: s, init: {n_layer: 1, n_embd: 33}}]")
+    assert "students[s].init {'n_layer': 1, 'n_embd': 33}: the teacher's config with these values does not build" \
+        in message  # 33 channels over the teacher's 4 heads
     assert not out.exists()
 
 

@@ -82,6 +82,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def parameter_count(config: PretrainedConfig) -> int:
+    """Parameters of the model ``config`` describes, counted on the meta device (no memory, no time); transformers'
+    own error when the config builds no model."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def fresh_student(config: PretrainedConfig, seed: int) -> nn.Module:
     """A model of ``config`` with fresh weights drawn from ``seed``: the same weights wherever it is built."""
     torch.manual_seed(seed)

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from distill_kit.config import TeacherSpec
 from distill_kit.config import specs as config_specs
@@ -225,19 +224,12 @@ def check_checkpoint_disk(start: Start) -> list[str]:
     return []
 
 
-def _parameters(config: PretrainedConfig) -> int:
-    """Parameters of the model ``config`` describes, counted on the meta device (no memory, no time)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None:
     """About what one student's checkpoint takes: its weights, and the optimizer's fp32 states."""
     if config is None:
         return None
     try:
-        return _parameters(config) * (WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAMETER)
+        return models.parameter_count(config) * (WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAMETER)
     except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
         return None
 

@@ -223,11 +223,17 @@ def _student_config(spec: StudentSpec, lead: TeacherCard | None, problems: list[
             return None
         config = copy.deepcopy(lead.config)
         config.update(student_init(spec, lead.config))
-        return config
     except (ConfigError, ValueError) as err:
         problems.append(f"{where}.{'init_from_teacher' if spec.init_from_teacher else 'init'}: {err}"
                         if not str(err).startswith(where) else str(err))
         return None
+    try:
+        models.parameter_count(config)  # the model these values describe can be built (on the meta device)
+    except Exception as err:  # noqa: BLE001 - transformers raises many types for a shape it cannot build
+        problems.append(f"{where}.init {spec.init}: the teacher's config with these values does not build a model "
+                        f"({type(err).__name__}: {err})")
+        return None
+    return config
 
 
 def student_init(student: StudentSpec, teacher_config: Any) -> dict[str, Any]:
