@@ -90,9 +90,10 @@ class Distiller(Trainer):
         case's shorthand). ``data``: what the data is (chat or text, rows, packing), which on-policy sampling and the
         positions check read. ``output_dir``: checkpoints go to ``<output_dir>/checkpoints`` (or
         ``training.checkpoint_dir``); with neither, nothing is saved. ``tokenizer``: the run's, which every model's is
-        checked against (default: the first teacher's). ``vocab_map`` (a :class:`~distill_kit.data.alignment.
-        VocabMap`) says the tokenizers differ: batches are paired blocks and the loss ``cross_tokenizer`` gets it.
-        ``plan``: one made already from the same specs (the CLI's, made by its start-up checks), built as it is.
+        checked against (default: the first student's, else the first teacher's). ``vocab_map`` (a
+        :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are paired blocks and the
+        loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the CLI's, made by its
+        start-up checks), built as it is.
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         deepspeed = deepspeed or DeepSpeedSettings()
@@ -108,6 +109,11 @@ class Distiller(Trainer):
         self.plan = plan
         """Every decision the run builds from (``training/plan.py``), checked before anything loads."""
         self.training = self.plan.training  # with what the plan derived: sample limits, the checkpoint folder
+        cut = [s.name for s in student_specs if s.model is None and s.init_from_teacher is not None]
+        if cut:  # refused before any model loads
+            raise ConfigError(f"students{cut}.init_from_teacher cuts a student from the teacher's weights on "
+                              "calibration batches: run it through scripts/distill.py, or cut it first "
+                              "(distill_kit.students.from_teacher.student_from_teacher) and give model=")
         if distributed.is_main():
             for note in self.plan.notes:
                 logger.info(note)
@@ -141,13 +147,10 @@ class Distiller(Trainer):
 
     def _built(self, spec: StudentSpec) -> StudentSpec:
         """A student given as a model, or built here from the plan's config: ``init`` (fresh weights, seeded by
-        ``training.seed``, as the CLI builds it). A cut (``init_from_teacher``) needs calibration batches: the CLI's."""
+        ``training.seed``, as the CLI builds it). A cut (``init_from_teacher``) is refused before (it needs the CLI's
+        calibration batches)."""
         if spec.model is not None:
             return spec
-        if spec.init_from_teacher is not None:
-            raise ConfigError(f"students[{spec.name}].init_from_teacher cuts the student from the teacher's weights on "
-                              "calibration batches: run it through scripts/distill.py, or cut it first "
-                              "(distill_kit.students.from_teacher.student_from_teacher) and give model=")
         return dataclasses.replace(spec, model=fresh_student(self.plan.student_configs[spec.name], self.training.seed),
                                    init={})
 

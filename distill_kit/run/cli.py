@@ -9,7 +9,7 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -239,24 +239,31 @@ def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
         return _run(config, resume, held)
 
 
+def _on_main_or_refuse(work: Callable[[], None]) -> None:
+    """``work`` on rank 0; its ``ConfigError`` raised on every rank alike (none is left waiting in a collective)."""
+    problem = None
+    if distributed.is_main():
+        try:
+            work()
+        except ConfigError as err:
+            problem = str(err)
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def _claim(out: Path, config: RunConfig, identity: dict[str, Any], resume: bool, held: contextlib.ExitStack) -> None:
     """Rank 0 locks the folder (``held`` releases it), checks it again under the lock (another start may have come
     between ``validate`` and now), records the identity and the data's fingerprint, and clears leftovers of killed
     saves: only under the lock, so never a live run's save in progress. Every rank raises the same error."""
-    problem = None
-    if distributed.is_main():
-        try:
-            held.enter_context(output_dir.Lock(out))
-            output_dir.check(out, identity, resume=resume, checkpoint_dir=config.training.checkpoint_dir)
-        except ConfigError as err:
-            problem = str(err)
-        else:
-            if not resume or not (out / output_dir.DATA_FINGERPRINT).is_file():
-                output_dir.record_data(out, validate.data_fingerprint(config))
-            checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go first
-    problem = distributed.broadcast_object(problem)
-    if problem is not None:
-        raise ConfigError(problem)
+    def claim() -> None:
+        held.enter_context(output_dir.Lock(out))
+        output_dir.check(out, identity, resume=resume, checkpoint_dir=config.training.checkpoint_dir)
+        if not resume or not (out / output_dir.DATA_FINGERPRINT).is_file():
+            output_dir.record_data(out, validate.data_fingerprint(config))
+        checkpoint.remove_leftovers(config.training.checkpoint_dir)  # a full disk's leftovers go first
+
+    _on_main_or_refuse(claim)
 
 
 def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any] | None:
@@ -303,15 +310,7 @@ def run_task(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dic
     from distill_kit.tasks import compare
     # the task writes its own chat records, rows as long as its prompts and answers: no data.block_size to check
     validate.validate(config, resume, run_identity(config), DataFacts(kind="chat"), checks=validate.TASK_CHECKS)
-    problem = None
-    if distributed.is_main():
-        try:
-            held.enter_context(output_dir.Lock(Path(config.output_dir)))
-        except ConfigError as err:
-            problem = str(err)
-    problem = distributed.broadcast_object(problem)
-    if problem is not None:
-        raise ConfigError(problem)
+    _on_main_or_refuse(lambda: held.enter_context(output_dir.Lock(Path(config.output_dir))))
     return compare.run(config, prepare_student, resume)
 
 
