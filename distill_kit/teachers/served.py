@@ -51,6 +51,7 @@ from distill_kit.errors import ConfigError
 from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
+from distill_kit.teachers.tokenizers import vocabulary_sha256
 from losses.sparse import SparseTeacherLogits
 
 LOG = logging.getLogger(__name__)
@@ -194,9 +195,9 @@ class ServedTeacher(Teacher):
             if not has_tokenizer(local):
                 problems.append(f"options.tokenizer {local!r} holds no tokenizer (tokenizer.json or "
                                 "tokenizer_config.json); give the folder of the server's model's tokenizer")
-            elif info.get("tokenizer_sha256") and _fingerprint(local) != info["tokenizer_sha256"]:
+            elif info.get("tokenizer_sha256") and (ours := vocabulary_sha256(local)) != info["tokenizer_sha256"]:
                 problems.append(f"the server's tokenizer (vocabulary sha256 {info['tokenizer_sha256'][:12]}) is not "
-                                f"options.tokenizer's ({local!r}: {_fingerprint(local)[:12]}): serve a model with this "
+                                f"options.tokenizer's ({local!r}: {ours[:12]}): serve a model with this "
                                 "run's tokenizer, or point options.tokenizer at the server model's")
         if problems:
             raise ConfigError(f"{key}: " + "; ".join(problems))
@@ -370,12 +371,3 @@ def _key(inputs: Mapping[str, Any]) -> str:
             digest.update(name.encode())
             digest.update(value.detach().cpu().numpy().tobytes())
     return digest.hexdigest()
-
-
-def _fingerprint(source: Any) -> str:
-    """A tokenizer folder's vocabulary sha256, as the server reports its own."""
-    from transformers import AutoTokenizer
-
-    from distill_kit.offline.fingerprints import tokenizer_fingerprint
-
-    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(source))

@@ -43,12 +43,17 @@ def fingerprint_problems(cards: Sequence[tuple[str, Any]], reference: Any, label
     known = [(name, card) for name, card in cards if card.tokenizer_sha256]
     if not known or reference is None:
         return []
+    ours = vocabulary_sha256(reference)
+    return [f"{name} ({card.kind} teacher {card.source}): its tokenizer (vocabulary sha256 "
+            f"{card.tokenizer_sha256[:12]}) differs from {label}'s ({ours[:12]}). Logit losses compare token ids: "
+            "use a teacher with the students' tokenizer" for name, card in known if card.tokenizer_sha256 != ours]
+
+
+def vocabulary_sha256(tokenizer: Any) -> str:
+    """A tokenizer's (or a tokenizer folder's) vocabulary sha256, as stores and servers record theirs."""
     from transformers import AutoTokenizer
 
     from distill_kit.offline.fingerprints import tokenizer_fingerprint
 
-    ours = tokenizer_fingerprint(reference if hasattr(reference, "get_vocab") else
-                                 AutoTokenizer.from_pretrained(reference))
-    return [f"{name} ({card.kind} teacher {card.source}): its tokenizer (vocabulary sha256 "
-            f"{card.tokenizer_sha256[:12]}) differs from {label}'s ({ours[:12]}). Logit losses compare token ids: "
-            "use a teacher with the students' tokenizer" for name, card in known if card.tokenizer_sha256 != ours]
+    return tokenizer_fingerprint(tokenizer if hasattr(tokenizer, "get_vocab") else
+                                 AutoTokenizer.from_pretrained(tokenizer))

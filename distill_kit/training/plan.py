@@ -22,7 +22,7 @@ from distill_kit.engines import fp8, head, kernels, models, peft_student
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.students import from_teacher
-from distill_kit.teachers import HEAD, HIDDEN_STATES, TeacherCard, kinds
+from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, kinds
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
 from distill_kit.training.on_policy import positions
@@ -284,7 +284,7 @@ def _loss_needs(losses: Mapping[str, DistillationLoss], teachers: Sequence[Teach
     for student, loss in losses.items():
         for spec in teachers:
             card = cards[spec.name]
-            for flag, output in (("needs_hidden_states", HIDDEN_STATES), ("needs_attentions", "attentions")):
+            for flag, output in (("needs_hidden_states", HIDDEN_STATES), ("needs_attentions", ATTENTIONS)):
                 if getattr(loss, flag) and output not in card.outputs:
                     problems.append(f"students[{student}].loss reads the teacher's {output.replace('_', ' ')}, and "
                                     f"teacher {spec.name!r} (a {card.kind} teacher) returns none: use a logit loss, "
