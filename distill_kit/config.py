@@ -150,6 +150,31 @@ class OnPolicyConfig:
 
 DType = Literal["fp32", "bf16", "fp16"]
 LRSchedule = Literal["linear", "cosine", "constant"]
+Residency = Literal["resident", "paged", "offload"]
+
+
+@dataclass
+class PagingConfig:
+    """Where paged teachers (``training.teacher_residency: paged``) are kept off the device, and how many device
+    slots they share (``distill_kit/teachers/paged.py``; docs/teachers.md#paged-routed-teachers)."""
+
+    slots: int = 2
+    """Device buffers, each the size of the largest paged teacher: 2 lets the next teacher's transfer overlap the
+    current teacher's steps; 1 halves the device memory, and every switch waits for its transfer."""
+    host_gib: float = 0.0
+    """Pinned host memory (GiB, per rank) for the teachers' copies, filled in the teachers' order; those that do not
+    fit are kept on disk_dir. 0: what the host has available, less room to load the largest teacher and 4 GiB."""
+    disk_dir: str | None = None
+    """Folder for the teachers beyond host_gib (one file each, read back through a small pinned staging buffer);
+    None: the system's temporary folder."""
+
+    def __post_init__(self) -> None:
+        if self.slots not in (1, 2):
+            raise ValueError(f"teacher_paging.slots: {self.slots}; give 1 or 2")
+        if not self.host_gib >= 0:
+            raise ValueError(f"teacher_paging.host_gib: {self.host_gib}; give 0 (what the host has) or more")
+
+
 @dataclass
 class TrainingConfig:
     """What one optimizer step looks like and how the student learns.
@@ -210,6 +235,13 @@ class TrainingConfig:
     known architecture, every loss a logit loss that takes it); the run's log says when it is not."""
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
+    teacher_residency: Residency = "resident"
+    """Where the teachers' weights live. resident: on the device the whole run (ZeRO-3 shards or replicated, by the
+    teacher's DeepSpeed config). paged (combine: route): kept in pinned host memory or on disk, each brought onto
+    the device for the micro-batches routed to it (teacher_paging). offload: DeepSpeed ZeRO-3 offload_param to
+    pinned CPU memory, every layer fetched at every forward (docs/teachers.md#paged-routed-teachers)."""
+    teacher_paging: PagingConfig = field(default_factory=PagingConfig)
+    """Slots, pinned host budget and disk folder of paged teachers (teacher_residency: paged)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -227,6 +259,7 @@ class TrainingConfig:
             "keep_checkpoints": self.keep_checkpoints >= 1,
             "max_bad_steps": self.max_bad_steps >= 1,
             "teacher_precision": self.teacher_precision in ("auto", "bf16", "fp8"),
+            "teacher_residency": self.teacher_residency in ("resident", "paged", "offload"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -239,6 +272,8 @@ class TrainingConfig:
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)
+        if isinstance(self.teacher_paging, dict):
+            self.teacher_paging = PagingConfig(**self.teacher_paging)
 
 
 @dataclass(frozen=True)

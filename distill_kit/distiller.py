@@ -118,7 +118,7 @@ class Distiller(Trainer):
             for note in self.plan.notes:
                 logger.info(note)
         self.teachers = Teachers(teacher_specs, self.plan.cards, self._teacher_setups(),
-                                 vocab_size=self.plan.teacher_vocab_size)
+                                 vocab_size=self.plan.teacher_vocab_size, paging=self.plan.paging)
         self.teacher = self.teachers.first
         """The first teacher's model (an engine; None without one); ``self.teachers`` holds them all."""
         self.students: dict[str, Student] = {
@@ -215,8 +215,8 @@ class Distiller(Trainer):
         the loop skips the step when every student discarded it (``nonfinite.py``).
         """
         teacher_out = self.teacher_forward(batch) if self.needs_teacher else None
-        if self.needs_teacher and self.upcoming is not None and self.plan.combine != "route":
-            self.teachers.prefetch(self.teacher_inputs(self.upcoming))  # a server's answers arrive during the step
+        if self.needs_teacher and self.upcoming is not None:  # a server's answers, a paged teacher's weights
+            self.teachers.prefetch(self.teacher_inputs(self.upcoming), route=self._route(self.upcoming))
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
         losses = {}
         for name, student in self.students.items():

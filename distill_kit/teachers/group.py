@@ -18,6 +18,8 @@ from distill_kit.config import TeacherSpec
 from distill_kit.engines import distributed
 from distill_kit.teachers.base import Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.kinds import teacher_class
+from distill_kit.teachers.paged import Pager
+from distill_kit.teachers.residency import PagingPlan
 from losses.functional import mixture_logits
 
 
@@ -29,14 +31,22 @@ class Teachers:
     """
 
     def __init__(self, specs: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard],
-                 setups: Mapping[str, TeacherSetup], *, vocab_size: int | None = None):
+                 setups: Mapping[str, TeacherSetup], *, vocab_size: int | None = None,
+                 paging: PagingPlan | None = None):
         """``cards`` and ``setups``: the plan's, by name. ``vocab_size``: the smallest teacher vocabulary (the
-        plan's), which routed rows are compared on."""
+        plan's), which routed rows are compared on. ``paging``: the plan's, when the teachers are paged."""
         self.specs = {spec.name: spec for spec in specs}
-        self.members: dict[str, Teacher] = {
-            spec.name: spec.model if isinstance(spec.model, Teacher) else
-            teacher_class(spec)(spec, cards[spec.name], setups[spec.name]) for spec in specs}
+        self.pager = None if paging is None else Pager(setups[specs[0].name].device, paging.slots, paging.disk_dir)
+        """With ``training.teacher_residency: paged``: the teachers' weights off the device (``paged.py``)."""
+        self.members: dict[str, Teacher] = {}
+        for spec in specs:  # a paged teacher leaves the device before the next one loads
+            teacher = spec.model if isinstance(spec.model, Teacher) else teacher_class(spec)(spec, cards[spec.name],
+                                                                                               setups[spec.name])
+            if self.pager is not None:
+                self.pager.adopt(spec.name, teacher.module, paging.kept[spec.name])
+            self.members[spec.name] = teacher
         self.vocab_size = vocab_size
+        self._identities: dict[str, str] | None = None
 
     def __len__(self) -> int:
         return len(self.members)
@@ -74,13 +84,27 @@ class Teachers:
         with torch.no_grad():
             if route is not None:
                 return self.routed(inputs, route)
-            outputs = {name: teacher.forward(self._own(teacher, inputs)) for name, teacher in self.members.items()}
+            outputs = {name: self._brought(name).forward(self._own(teacher, inputs))
+                       for name, teacher in self.members.items()}
         return next(iter(outputs.values())) if len(outputs) == 1 else outputs
 
-    def prefetch(self, inputs: Mapping[str, Any]) -> None:
-        """Start every teacher that can (a server) on the next micro-batch's ``inputs``; the others do nothing."""
+    def prefetch(self, inputs: Mapping[str, Any], route: torch.Tensor | None = None) -> None:
+        """Start every teacher that can (a server) on the next micro-batch's ``inputs``; the others do nothing.
+        Routed (``route``: the next micro-batch's teacher per row), paged teachers start moving the next one in."""
+        if route is not None:
+            if self.pager is not None:
+                names = list(self.members)
+                for index in route.unique().tolist():
+                    self.pager.prefetch(names[index])
+            return
         for teacher in self.members.values():
             teacher.prefetch(self._own(teacher, inputs))
+
+    def _brought(self, name: str) -> Teacher:
+        """Teacher ``name``, on the device (paged: brought in, the one before it taken off)."""
+        if self.pager is not None:
+            self.pager.bring(name)
+        return self.members[name]
 
     def routed(self, inputs: Mapping[str, Any], route: torch.Tensor) -> SimpleNamespace:
         """Each row's logits from the teacher ``route`` names for it (vocabularies cut to the smallest).
@@ -92,13 +116,15 @@ class Teachers:
         members = list(self.members.values())
         needed = torch.zeros(len(members), device=route.device)
         needed[route.unique()] = 1
-        needed = distributed.all_reduce_max(needed)
+        if self.pager is None:  # paged teachers are replicated: no collective to join
+            needed = distributed.all_reduce_max(needed)
         logits = None
         for index in needed.nonzero().flatten().tolist():
             rows = (route == index).nonzero().flatten()
             sub = rows if len(rows) else route.new_zeros(1)  # a forward this rank only joins
             own = self._own(members[index], inputs)
-            out = members[index].forward({k: v[sub] if torch.is_tensor(v) else v for k, v in own.items()})
+            teacher = self._brought(list(self.members)[index])
+            out = teacher.forward({k: v[sub] if torch.is_tensor(v) else v for k, v in own.items()})
             vocab = self.vocab_size or out.logits.shape[-1]
             if logits is None:
                 logits = out.logits.new_zeros((route.shape[0], out.logits.shape[1], vocab))
@@ -119,7 +145,11 @@ class Teachers:
     @property
     def identities(self) -> dict[str, str]:
         """Each teacher's identity by name (an engine's weight sha256: computed once, on every rank)."""
-        return {name: teacher.identity for name, teacher in self.members.items()}
+        if self.pager is None:
+            return {name: teacher.identity for name, teacher in self.members.items()}
+        if self._identities is None:  # each brought in once to be hashed, as its resident twin would be
+            self._identities = {name: self._brought(name).identity for name in self.members}
+        return dict(self._identities)
 
     @property
     def sha256(self) -> str | None:

@@ -22,8 +22,9 @@ from distill_kit.engines import fp8, head, kernels, models, peft_student
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.students import from_teacher
-from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, kinds
+from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, kinds, residency
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
+from distill_kit.teachers.residency import PagingPlan
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
 from distill_kit.training.on_policy import positions
 from losses import DistillationLoss, build_loss
@@ -77,6 +78,9 @@ class Plan:
     keys: dict[str, str] = field(default_factory=dict)
     """Each student's key in records and checkpoints: the one-line form's is empty (records ``loss``, folder
     ``deepspeed``), a named student's is its name (``<name>/loss``, folder ``<name>``)."""
+    paging: PagingPlan | None = None
+    """With ``training.teacher_residency: paged``: each teacher's bytes, where it is kept and the device slots
+    (``teachers/residency.py``)."""
 
     @property
     def need_attentions(self) -> bool:
@@ -150,6 +154,9 @@ def make_plan(
         problems.append(str(err))
         student_ds, teacher_ds = {}, {}
     problems += _engine_problems(students, teachers, cards, student_configs, training)
+    paging, found = residency.residency_problems(teachers, cards, training, combine,
+                                                 {n: zero_stage(c) for n, c in teacher_ds.items() if c}, world_size)
+    problems += found
     teacher_vocab = None if vocab_map is not None else min(
         (card.vocab_size for card in cards.values() if card.vocab_size), default=None)
     adapters = {}
@@ -173,8 +180,10 @@ def make_plan(
         if reason and HEAD in cards[spec.name].outputs and training.teacher_head_at_loss:
             notes.append(f"teacher {spec.name!r}: full logits materialised: {reason}")
     keys = {s.name: "" if alone else s.name for s in students}
+    if paging is not None:
+        notes.append(paging.describe())
     return Plan(list(students), list(teachers), training, cards, student_configs, losses, student_ds, teacher_ds,
-                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys)
+                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging)
 
 
 def _raise(problems: list[str]) -> None:
@@ -377,7 +386,8 @@ def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[Teach
                                models.facts(student_configs[s.name])["hidden_size"],
                                {**deepspeed.student_overrides, **s.ds_overrides}) for s in students},
         {t.name: FrozenConfig(t.ds_config or deepspeed.teacher, cards[t.name].hidden_size,
-                              {**deepspeed.teacher_overrides, **t.ds_overrides}) for t in engines},
+                              {**deepspeed.teacher_overrides, **t.ds_overrides,
+                               **residency.ds_overrides(training.teacher_residency)}) for t in engines},
         world_size=world_size,
         labels={s.name: "student" if alone else f"student {s.name!r}" for s in students}
         | {t.name: "teacher" if len(teachers) == 1 else f"teacher {t.name!r}" for t in engines})

@@ -1,0 +1,248 @@
+"""Paged teachers: routed teachers kept off the device, each brought on for the micro-batches routed to it.
+
+Why: with ``combine: route`` a micro-batch needs one teacher, and the routed loader gives every rank one teacher per
+micro-batch, so the others' weights need not be on the device. Keeping all of them resident costs the sum of their
+weights on every device; DeepSpeed's ZeRO-3 ``offload_param`` keeps them on the host but fetches every layer of the
+teacher at every forward. Paging moves a teacher's weights once per switch of teacher, so with k micro-batches per
+switch it moves 1/k of what offload moves, and the move can overlap the previous teacher's micro-batches.
+
+The layout: each teacher's parameters and buffers end to end (each at a :data:`ALIGN`-byte offset) in one flat byte
+buffer, kept in pinned host memory or, for teachers past the host budget, in a file on disk that is read back through
+two small pinned staging buffers. The device holds ``slots`` byte buffers the size of the largest teacher. The
+teacher brought in has its parameters and buffers as views into one slot; every other teacher's are empty
+placeholders, so a teacher's weights are on the device only while it is brought in, and a forward of a teacher that
+is not fails at once. With two slots, :meth:`Pager.prefetch` fills the other slot from a worker thread on a side
+CUDA stream while the current teacher computes; :meth:`Pager.bring` then only waits for what is left of it. On the
+CPU (device = cpu) the same code runs, the copies synchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ALIGN = 256
+"""Byte alignment of every tensor in a flat buffer: a view's address is as aligned as a fresh allocation's (CUDA
+and CPU allocators align to at least this much), so kernels take the same paths as for the resident teacher."""
+STAGING_BYTES = 256 * 2**20
+"""Each of the two pinned staging buffers a disk teacher is read through."""
+
+
+@dataclass
+class Layout:
+    """Where each of a module's tensors sits in its flat buffer: (owners, offset, shape, dtype) per tensor."""
+
+    entries: list[tuple[list[tuple[nn.Module, str, bool]], int, torch.Size, torch.dtype]] = field(default_factory=list)
+    nbytes: int = 0
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Layout:
+        """Every distinct parameter and buffer once (tied weights share an entry), with every (module, name) that
+        holds it."""
+        owners: dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, bool]]]] = {}
+        for sub in module.modules():
+            for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        owners.setdefault(id(tensor), (tensor, []))[1].append((sub, name, is_param))
+        layout, offset = cls(), 0
+        for tensor, holders in owners.values():
+            layout.entries.append((holders, offset, tensor.shape, tensor.dtype))
+            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        layout.nbytes = offset
+        return layout
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The module's tensors now, in layout order."""
+        holders = [entry[0][0] for entry in self.entries]
+        return [(sub._parameters if is_param else sub._buffers)[name] for sub, name, is_param in holders]
+
+    def bind(self, flat: torch.Tensor | None) -> None:
+        """Point every tensor at its bytes in ``flat`` (a device slot), or at an empty placeholder (None)."""
+        for holders, offset, shape, dtype in self.entries:
+            size = shape.numel() * dtype.itemsize
+            view = (torch.empty(0, dtype=dtype) if flat is None else
+                    flat[offset:offset + size].view(dtype).view(shape))
+            for sub, name, is_param in holders:
+                if is_param:
+                    sub._parameters[name].data = view  # the one Parameter every tied holder shares
+                else:
+                    sub._buffers[name] = view
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    holds: str | None = None
+    """The teacher whose bytes it has (or is receiving)."""
+    loading: Future | None = None
+    ready: Any = None
+    """A CUDA event recorded after its bytes arrived (None on the CPU)."""
+    released: Any = None
+    """A CUDA event recorded on the compute stream after the last forward that read it."""
+
+
+class Pager:
+    """Teachers' weights off the device, one at a time on it (see the module's docstring)."""
+
+    def __init__(self, device: torch.device, slots: int = 2, disk_dir: str | Path | None = None):
+        self.device, self.slot_count = torch.device(device), slots
+        self.cuda = self.device.type == "cuda"
+        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        self.layouts: dict[str, Layout] = {}
+        self.host: dict[str, torch.Tensor] = {}
+        """Each host-kept teacher's flat buffer (pinned on a CUDA run)."""
+        self.files: dict[str, Path] = {}
+        """Each disk-kept teacher's file."""
+        self.slots: list[_Slot] = []
+        self.bound: str | None = None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pager")
+        self.staging: list[torch.Tensor] = []
+        self.staging_free: list[Any] = [None, None]
+        self.stats = {"switches": 0, "bytes_moved": 0, "wait_s": 0.0, "prefetched": 0}
+
+    # ---- taking teachers off the device ----------------------------------------------------------------
+
+    def adopt(self, name: str, module: nn.Module, kept: str = "host") -> None:
+        """Copy ``module``'s weights into its host buffer (``kept`` ``host``) or its file (``disk``), and leave it
+        with placeholders: the memory it held (host or device) is given back."""
+        layout = Layout.of(module)
+        if kept == "host":
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            for (_, offset, shape, dtype), tensor in zip(layout.entries, layout.tensors(), strict=True):
+                size = shape.numel() * dtype.itemsize
+                flat[offset:offset + size].copy_(_bytes(tensor))
+            self.host[name] = flat
+        elif kept == "disk":
+            if self.disk_dir is None:
+                raise ValueError("a disk-kept teacher needs the pager's disk_dir")
+            path = self.disk_dir / f"distill_kit_paged_{name}_{id(self):x}.bin"
+            with open(path, "wb") as handle:
+                for (_, offset, _, _), tensor in zip(layout.entries, layout.tensors(), strict=True):
+                    handle.seek(offset)
+                    handle.write(_bytes(tensor).cpu().numpy().data)
+                handle.truncate(layout.nbytes)
+            self.files[name] = path
+        else:
+            raise ValueError(f"kept must be 'host' or 'disk', got {kept!r}")
+        layout.bind(None)
+        self.layouts[name] = layout
+        if self.cuda:
+            torch.cuda.empty_cache()  # the adopted teacher's device copy, if it had one
+
+    # ---- bringing one on ----------------------------------------------------------------------------------
+
+    def bring(self, name: str) -> None:
+        """Make ``name`` the teacher on the device (its tensors views into a slot), waiting for its bytes."""
+        if self.bound == name:
+            return
+        started = time.perf_counter()
+        self._allocate()
+        slot = next((s for s in self.slots if s.holds == name), None)
+        if slot is None:
+            slot = self._load_into(self._spare(), name)
+        else:
+            self.stats["prefetched"] += 1
+        self._unbind()
+        if slot.loading is not None:
+            slot.loading.result()  # the worker's copies are queued (CUDA) or done (CPU)
+            slot.loading = None
+        if slot.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        self.layouts[name].bind(slot.buffer)
+        self.bound = name
+        self.stats["switches"] += 1
+        self.stats["wait_s"] += time.perf_counter() - started
+
+    def prefetch(self, name: str) -> None:
+        """Start moving ``name`` into the spare slot and return at once; nothing with one slot, or when it is on
+        the device or on its way already."""
+        if self.slot_count < 2 or self.bound == name or any(s.holds == name for s in self.slots):
+            return
+        self._allocate()
+        self._load_into(self._spare(), name)
+
+    def _allocate(self) -> None:
+        """The device slots, made at the first bring (after every teacher is adopted, so that a teacher built on
+        the device never sits there beside them)."""
+        if not self.slots:
+            size = max(layout.nbytes for layout in self.layouts.values())
+            self.slots = [_Slot(torch.empty(size, dtype=torch.uint8, device=self.device))
+                          for _ in range(self.slot_count)]
+
+    def _spare(self) -> _Slot:
+        """The slot a new teacher goes into: the one not bound (with one slot, the only one, unbound first)."""
+        if self.slot_count == 1:
+            self._unbind()
+            return self.slots[0]
+        return next(s for s in self.slots if self.bound is None or s.holds != self.bound)
+
+    def _unbind(self) -> None:
+        if self.bound is None:
+            return
+        slot = next(s for s in self.slots if s.holds == self.bound)
+        if self.cuda:  # what is queued on the compute stream still reads it: a copy into it waits for this
+            slot.released = torch.cuda.current_stream(self.device).record_event()
+        self.layouts[self.bound].bind(None)
+        self.bound = None
+
+    def _load_into(self, slot: _Slot, name: str) -> _Slot:
+        if slot.loading is not None:
+            slot.loading.result()  # another teacher still arriving there: let it finish first
+        slot.holds, slot.ready = name, None
+        slot.loading = self.worker.submit(self._copy, slot, name)
+        self.stats["bytes_moved"] += self.layouts[name].nbytes
+        return slot
+
+    def _copy(self, slot: _Slot, name: str) -> None:
+        """(The worker thread.) ``name``'s bytes into ``slot``: one copy from pinned host memory, or the file read
+        in chunks through the two staging buffers, each chunk's copy queued while the next is read."""
+        nbytes = self.layouts[name].nbytes
+        stream = self.stream
+        if stream is not None and slot.released is not None:
+            stream.wait_event(slot.released)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if name in self.host:
+                slot.buffer[:nbytes].copy_(self.host[name], non_blocking=True)
+            else:
+                self._read_file(self.files[name], slot.buffer, nbytes)
+            if stream is not None:
+                slot.ready = stream.record_event()
+
+    def _read_file(self, path: Path, target: torch.Tensor, nbytes: int) -> None:
+        if not self.staging:
+            self.staging = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+        with open(path, "rb", buffering=0) as handle:
+            for index, start in enumerate(range(0, nbytes, STAGING_BYTES)):
+                which, size = index % 2, min(STAGING_BYTES, nbytes - start)
+                if self.staging_free[which] is not None:
+                    self.staging_free[which].synchronize()  # its previous chunk has reached the device
+                staging = self.staging[which]
+                handle.readinto(memoryview(staging.numpy())[:size])
+                target[start:start + size].copy_(staging[:size], non_blocking=True)
+                self.staging_free[which] = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def close(self) -> None:
+        """Stop the worker and delete the disk copies."""
+        self.worker.shutdown(wait=True)
+        for path in self.files.values():
+            path.unlink(missing_ok=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to tidy
+            pass
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (where it is)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
