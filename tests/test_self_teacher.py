@@ -2,21 +2,25 @@
 
 In-process: the data path's privileged prompts (``data/privileged.py``, ``chat.build_splits(privileged=...)``), the
 teacher's log-probabilities on the student's tokens against a separate float64 forward of each privileged sequence
-(padded and sampled rows), and the plan's refusals. One plain-python worker (``workers/self_teacher_scenarios.py``)
-runs real DeepSpeed engines: what each mode holds, ``initial`` frozen, ``ema`` against the average by hand, and a
-resumed ``ema`` run against the uninterrupted one.
+(padded and sampled rows), the plan's refusals, and the CLI: docs/teachers.md's run config as printed (a report;
+``ema`` stopped and resumed equals the uninterrupted run) and its refusals, one line each before any write. One
+plain-python worker (``workers/self_teacher_scenarios.py``) runs real DeepSpeed engines: what each mode holds,
+``initial`` frozen, ``ema`` against the average by hand, and a resumed ``ema`` run against the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
 import rank_results
 import torch
 import torch.nn.functional as F
+import yaml
 from launch import ROOT, run_ranks
+from test_cli import _main_error  # the CLI's error message, caught in this process
 from tiny_models import llama_config, save_pair
 from transformers import LlamaForCausalLM
 
@@ -25,6 +29,7 @@ from distill_kit.data import chat, privileged
 from distill_kit.data.blocks import DataConfig
 from distill_kit.data.privileged import PrivilegedTemplate
 from distill_kit.errors import ConfigError, DataError
+from distill_kit.run import cli, run_config
 from distill_kit.tasks import arithmetic
 from distill_kit.teachers.self_teacher import SelfTeacher
 from distill_kit.training.on_policy import splice
@@ -227,3 +232,82 @@ def test_resumed_ema_run_equals_the_uninterrupted_one(engines):
     assert result["losses"] == result["ref_losses"]
     assert result["student_diff"] == 0.0 and result["ema_diff"] == 0.0
     assert result["ema_steps"] == [4, 4] and result["ema_moved"] > 0
+
+
+# ---- the CLI: the docs' run config ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def docs_run(tmp_path_factory) -> dict:
+    """docs/teachers.md's self-teacher YAML as printed, its student and data pointed at a tiny Llama over the
+    arithmetic task's tokenizer (the template's other characters read as its unknown token) and chat records."""
+    root = tmp_path_factory.mktemp("self_cli")
+    tokenizer = arithmetic.build_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(vocab_size=len(tokenizer), num_hidden_layers=1, max_position_embeddings=128,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  bos_token_id=tokenizer.eos_token_id)).save_pretrained(root / "student")
+    tokenizer.save_pretrained(root / "student")
+    sums = [(a, b) for a in (3, 17, 40) for b in (5, 26, 8, 31)]
+    records = [{"prompt": f"{a}+{b}", "completion": str(a + b)} for a, b in sums]
+    train = write_records(root / "train.jsonl", records[:8])
+    heldout = write_records(root / "heldout.jsonl", records[8:])
+    blocks = re.findall(r"^```yaml\n(.*?)^```", (ROOT / "docs/teachers.md").read_text(), flags=re.S | re.M)
+    (block,) = [b for b in blocks if "kind: self" in b]
+    config = yaml.safe_load(block)
+    config["students"][0]["model"], config["data"]["train"] = str(root / "student"), train
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    return {"root": root, "config": config, "args": [f"data.heldout={heldout}", "data.block_size=64",
+                                                      "training.micro_batch_size=2", "training.lr=1e-2",
+                                                      "training.on_policy.max_new_tokens=4", "eval.every=2",
+                                                      "report_to=[]"]}
+
+
+def _cli_run(docs_run: dict, out, steps: int, resume: bool = False):
+    overrides = [*docs_run["args"], f"output_dir={out}", f"training.max_steps={steps}"]
+    return cli.run(run_config.load(docs_run["root"] / "run.yaml", overrides), resume=resume)
+
+
+def _average(out) -> dict[str, torch.Tensor]:
+    """The last checkpoint's student module: the student's weights and the ``ema`` average (its buffers)."""
+    (last,) = sorted((out / "checkpoints").glob("step_*"))[-1:]
+    return torch.load(last / "student" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def test_the_docs_run_config_runs_through_the_cli_and_a_resumed_ema_run_equals_the_uninterrupted_one(docs_run):
+    """The docs' YAML (mode ema, on-policy, the privileged template) runs: report, evaluations against the self
+    teacher, exported student. Stopped after 2 steps and resumed to 4: the same records, average and student."""
+    assert docs_run["config"]["teachers"][0]["options"]["mode"] == "ema"
+    whole, split = docs_run["root"] / "whole", docs_run["root"] / "split"
+    summary = _cli_run(docs_run, whole, 4)
+    assert summary["students"]["student"]["perplexity"] > 1 and summary["teacher_perplexity"] > 1
+    report = json.loads((whole / "report.json").read_text())
+    (teacher,) = report["teachers"]
+    assert teacher["model"] is None and teacher["sha256"].startswith("self:ema:0.99:template=")
+    assert [e["step"] for e in report["evaluations"]] == [2, 4]
+    _cli_run(docs_run, split, 2)
+    _cli_run(docs_run, split, 4, resume=True)
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (split / name).read_text() == (whole / name).read_text()
+    expected, got = _average(whole), _average(split)
+    assert int(got["self_teacher_self.steps"]) == 4 and expected.keys() == got.keys()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+    exported = (whole / "students" / "student" / "model.safetensors").read_bytes()
+    assert (split / "students" / "student" / "model.safetensors").read_bytes() == exported
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--teachers", "[{name: self, kind: self, model: x, options: {privileged: '{prompt}'}}]"],
+     "config error: teachers[self].model: a self-teacher is the student itself and reads no model ('x'): drop model"),
+    (["--teachers", "[{name: self, kind: self, options: {privileged: '{prompt} {hint}'}}]"],
+     "the privileged template names ['hint'], and this record has no such field (it has ['completion', 'prompt'])"),
+    (["data.format=text", "training.on_policy.fraction=0"],
+     "config error: teachers[self] (kind self) reads a privileged prompt made from each chat record, and the data"),
+    (["data.packing=true"], "config error: teachers[self] (kind self): data.packing with a self-teacher"),
+])
+def test_the_cli_refuses_what_a_self_teacher_cannot_run_in_one_line_before_any_write(docs_run, tmp_path, extra,
+                                                                                      message):
+    out = tmp_path / "run"
+    got = _main_error("--config", str(docs_run["root"] / "run.yaml"), *docs_run["args"], f"output_dir={out}", *extra)
+    assert message in got and "\n" not in got, got
+    assert not out.exists()

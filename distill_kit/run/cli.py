@@ -30,6 +30,7 @@ from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.tasks import harness
+from distill_kit.teachers import self_teacher
 from distill_kit.training import checkpoint
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
@@ -150,8 +151,9 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
             raise ConfigError("student_tokenizer works with text data only: chat data across tokenizers (a "
                               "template per tokenizer, aligned answers) is not supported yet")
         route = [t.name for t in config.teachers] if config.combine == "route" and config.teachers else None
-        # every rank renders the same records: no cache to share
-        splits = chat.build_splits(data_config, tokenizer, route=route is not None)
+        # every rank renders the same records: no cache to share; a self-teacher's privileged prompts with them
+        splits = chat.build_splits(data_config, tokenizer, route=route is not None,
+                                   privileged=self_teacher.template_of(config.teachers or ()))
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
@@ -202,10 +204,12 @@ def build_distiller(config: RunConfig, specs: list[StudentSpec], plan: Plan | No
 
 
 def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, Any]]:
-    """Every teacher as the report records it: name, source, weight and weights' sha256 (as the checkpoints do)."""
+    """Every teacher as the report records it: name, source, weight and weights' sha256 (as the checkpoints do).
+    A self-teacher has no model of its own (null); its identity (mode, template, initial weights) stands there."""
     identities = distiller.teachers.identities
-    return [{"name": name, "model": spec.model if isinstance(spec.model, str) else type(spec.model).__name__,
-             "weight": spec.weight, "sha256": identities[name]} for name, spec in distiller.teachers.specs.items()]
+    return [{"name": name, "model": spec.model if spec.model is None or isinstance(spec.model, str)
+             else type(spec.model).__name__, "weight": spec.weight, "sha256": identities[name]}
+            for name, spec in distiller.teachers.specs.items()]
 
 
 def train_students(config: RunConfig, students: Distiller, train_loader, eval_loader, log: RunLog) -> bool:

@@ -313,17 +313,26 @@ def data_facts(config: RunConfig) -> Any:
                      kind == "chat", teacher_block_size=config.teacher_block_size if config.student_tokenizer else None)
 
 
+def self_taught(config: RunConfig) -> bool:
+    """The first of ``teachers`` is the student itself (``kind: self``): the run has no teacher folder."""
+    return bool(config.teachers) and config.teacher is None and config.teachers[0].kind == "self"
+
+
 def lead_teacher(config: RunConfig) -> RunConfig:
     """The config with ``teacher`` set to the first of ``teachers``: the model that stands for "the teacher" where
     one is meant (the tokenizer, a student's ``init``, ``init_from_teacher``). Unchanged without ``teachers``.
     A served first teacher (a URL) has no tokenizer folder: its ``options.tokenizer`` is the run's unless
-    ``tokenizer`` is given."""
+    ``tokenizer`` is given. A self-teacher first (``kind: self``) is the student: no teacher folder stands for it
+    (``teacher`` stays None), and the first student's tokenizer is the run's unless ``tokenizer`` is given."""
     if not config.teachers or config.teacher is not None:
         return config
     lead = config.teachers[0]
     tokenizer = config.tokenizer
     if tokenizer is None and isinstance(lead.model, str) and lead.model.startswith(("http://", "https://")):
         tokenizer = lead.options.get("tokenizer")
+    if self_taught(config):
+        student = config.students[0].model if config.students else None
+        return dataclasses.replace(config, tokenizer=tokenizer or (student if isinstance(student, str) else None))
     return dataclasses.replace(config, teacher=lead.model, tokenizer=tokenizer)
 
 

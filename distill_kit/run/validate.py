@@ -111,8 +111,9 @@ def check_models(start: Start) -> list[str]:
     """Teacher, students and tokenizer: each local folder exists and holds what it must."""
     config = start.config
     problems = []
-    first = TeacherSpec(name="teacher", model=config.teacher)
-    sources = [("teacher", config.teacher)] if kind_of(first) == "engine" else []
+    # no teacher folder: the student is its own teacher (kind self; run_config.lead_teacher), the plan checks it
+    lead = "self" if config.teacher is None else kind_of(TeacherSpec(name="teacher", model=config.teacher))
+    sources = [("teacher", config.teacher)] if lead == "engine" else []
     sources += [(f"students[{s.name}].model", s.model) for s in config.students]
     for kind, path in sources:
         if path is None or not _local(path):
@@ -122,22 +123,24 @@ def check_models(start: Start) -> list[str]:
         elif not (Path(path) / "config.json").is_file():
             problems.append(f"{kind}: the folder {path!r} holds no model (no config.json); give a directory "
                             "written by save_pretrained")
-    if kind_of(first) != "engine":  # a server (or a store) has no weights here to cut a student out of
+    if lead not in ("engine", "self"):  # a server (or a store) has no weights here to cut a student out of
         problems += [f"students[{s.name}].init_from_teacher cuts the student out of the teacher's weights, and the "
                      f"teacher {config.teacher!r} holds no weights here (its kind: "
-                     f"{'a class of its own' if ':' in kind_of(first) else kind_of(first)}): build it with init "
+                     f"{'a class of its own' if ':' in lead else lead}): build it with init "
                      "(the teacher's config, e.g. init: {num_hidden_layers: 4}) or give model: a folder"
                      for s in config.students if s.init_from_teacher is not None]
-    if kind_of(first) == "served" and config.tokenizer is None:
+    if lead == "served" and config.tokenizer is None:
         problems.append(f"teacher {config.teacher!r} is served: the run reads its data with a local tokenizer. Set "
                         "tokenizer: the folder of the served model's tokenizer (or options.tokenizer in teachers:)")
         return problems
     tokenizer = config.tokenizer or config.teacher
-    if _local(tokenizer) and Path(tokenizer).is_dir() and not any(
+    if tokenizer is not None and _local(tokenizer) and Path(tokenizer).is_dir() and not any(
             (Path(tokenizer) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        problems.append(f"{'tokenizer' if config.tokenizer else 'teacher'}: the folder {tokenizer!r} holds no "
-                        "tokenizer (no tokenizer.json or tokenizer_config.json); save it there with "
-                        "tokenizer.save_pretrained, or set tokenizer to one")
+        key = "tokenizer" if config.tokenizer else "teacher"
+        if lead == "self" and config.tokenizer == config.students[0].model:  # lead_teacher's choice, not the user's
+            key = f"students[{config.students[0].name}].model (the run's tokenizer: the student is its own teacher)"
+        problems.append(f"{key}: the folder {tokenizer!r} holds no tokenizer (no tokenizer.json or "
+                        "tokenizer_config.json); save it there with tokenizer.save_pretrained, or set tokenizer to one")
     return problems
 
 
@@ -442,7 +445,8 @@ def validate(config: RunConfig, resume: bool, identity: dict[str, Any], data: Da
     if distributed.is_main():
         problems = check_teachers(config, data)
         start = Start(lead, resume, identity, data=data)
-        for check in (CHECKS if checks is None else checks) if start.config.teacher is not None else []:
+        taught = start.config.teacher is not None or run_config.self_taught(config)
+        for check in (CHECKS if checks is None else checks) if taught else []:
             problems += check(start)
         plan = start.plan
     problems = distributed.broadcast_object(problems)

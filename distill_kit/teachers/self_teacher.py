@@ -97,6 +97,9 @@ class SelfTeacher(Teacher):
 
     @classmethod
     def describe(cls, spec: TeacherSpec) -> TeacherCard:
+        if spec.model is not None:  # a model here would be silently ignored: the student teaches
+            raise ConfigError(f"teachers[{spec.name}].model: a self-teacher is the student itself and reads no model "
+                              f"({spec.model!r}): drop model, or drop kind: self for a teacher of its own weights")
         mode, _, _ = settings(spec)
         return TeacherCard(kind=cls.kind, source=f"the student ({mode} weights)", outputs=frozenset({LOGITS}))
 
