@@ -133,7 +133,7 @@ def residency_problems(teachers: Sequence[TeacherSpec], cards: Mapping[str, Teac
     if not torch.cuda.is_available():  # a plan made off the GPU machine (a login node) says nothing of its devices
         return None, []
     per_rank = {name: size // world_size if stages.get(name) == 3 else size for name, size in sizes.items()}
-    if sum(per_rank.values()) > memory.device:
+    if sum(per_rank.values()) > memory.device + _on_device(engines, per_rank):
         fix = ("training.teacher_residency: paged (one teacher on the device at a time)" if combine == "route" else
                "combine: route with training.teacher_residency: paged, or training.teacher_residency: offload")
         return None, [f"training.teacher_residency: resident needs {gib(sum(per_rank.values()))} of teacher weights "
@@ -165,12 +165,12 @@ def _paged(teachers: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard], tr
         return None, problems
     memory = memory or available_memory()
     largest = max(sizes.values())
-    need = paging.slots * largest
-    if need > memory.device:
+    need, free = paging.slots * largest, memory.device + _on_device(teachers, sizes)
+    if need > free:
         fix = (f"set training.teacher_paging.slots: 1 ({gib(largest)})" if paging.slots == 2 and largest <=
-               memory.device else "use a device with more memory, or resident ZeRO-3 teachers over more ranks")
+               free else "use a device with more memory, or resident ZeRO-3 teachers over more ranks")
         problems.append(f"{key} needs {paging.slots} device slot(s) of the largest teacher ({gib(largest)}) = "
-                        f"{gib(need)}, and the device has {gib(memory.device)} free: {fix}")
+                        f"{gib(need)}, and the device has {gib(free)} free: {fix}")
     host = memory.host // max(memory.local_ranks, 1)
     if paging.host_gib and paging.host_gib * GIB > host:
         problems.append(f"training.teacher_paging.host_gib: {paging.host_gib} GiB, and the host has {gib(host)} "
@@ -197,3 +197,13 @@ def _paged(teachers: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard], tr
     if problems:
         return None, problems
     return PagingPlan(slots=paging.slots, bytes=sizes, kept=kept, disk_dir=disk_dir), []
+
+
+def _on_device(teachers: Sequence[TeacherSpec], sizes: Mapping[str, int]) -> int:
+    """Bytes of the teachers given as modules already on a GPU (built there): the device's free memory does not
+    count them, and placing them gives them back (paging moves them off; resident, they stay where they are)."""
+    def on_gpu(model: Any) -> bool:
+        first = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+        return first is not None and first.device.type == "cuda"
+
+    return sum(sizes.get(t.name, 0) for t in teachers if on_gpu(t.model))
