@@ -78,7 +78,8 @@ class RunConfig:
     chat conversation taught by the teacher its record names under data.teacher_field: specialist teachers of
     their own domains; docs/teachers.md#routing-a-teacher-per-conversation)."""
     tokenizer: str | None = None
-    """Tokenizer directory or hub name; None uses the teacher's. Every student must share it."""
+    """Tokenizer directory or hub name; None uses the (first) teacher's, or the first student's when that teacher is
+    the student itself (kind self). Every student must share it."""
     student_tokenizer: str | None = None
     """The students' own tokenizer when it differs from the teacher's: a directory, a hub name, or 'bpe:<size>' (a
     byte-level BPE of that many tokens trained on data.train, cached in cache_dir). The run then distils across
