@@ -19,9 +19,9 @@ Each part reports tokens/s (the mean step over the timed window: a switch's cost
 would hide), its median step, peak GPU memory, and for ``paged`` what was kept where, switches, the bytes moved and
 the time the steps waited for them. Outputs: ``OUT/bench.json`` and ``OUT/results.md``.
 
-GPU (one H200, about 6 minutes; copy runs/bench_paged back)::
+GPU (one H200, about 6 minutes; copy runs/paged back)::
 
-    python benchmarks/bench_paged.py --out runs/bench_paged 2>&1 | tee runs/bench_paged.log
+    mkdir -p runs/paged && python benchmarks/bench_paged.py --out runs/paged 2>&1 | tee runs/paged/log.txt
 
 CPU smoke (what the test suite runs, seconds)::
 

@@ -116,7 +116,7 @@ class Pager:
         with placeholders: the memory it held (host or device) is given back."""
         layout = Layout.of(module)
         if kept == "host":
-            flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            flat = _pinned(layout.nbytes) if self.cuda else torch.empty(layout.nbytes, dtype=torch.uint8)
             for (_, offset, shape, dtype), tensor in zip(layout.entries, layout.tensors(), strict=True):
                 size = shape.numel() * dtype.itemsize
                 flat[offset:offset + size].copy_(_bytes(tensor))
@@ -226,7 +226,9 @@ class Pager:
                 if self.staging_free[which] is not None:
                     self.staging_free[which].synchronize()  # its previous chunk has reached the device
                 staging = self.staging[which]
-                handle.readinto(memoryview(staging.numpy())[:size])
+                view, done = memoryview(staging.numpy()), 0
+                while done < size:  # a read may return fewer bytes than asked for
+                    done += handle.readinto(view[done:size])
                 target[start:start + size].copy_(staging[:size], non_blocking=True)
                 self.staging_free[which] = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
 
@@ -235,12 +237,24 @@ class Pager:
         self.worker.shutdown(wait=True)
         for path in self.files.values():
             path.unlink(missing_ok=True)
+        if self.cuda:
+            for flat in self.host.values():
+                torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())))
+        self.host.clear()
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to tidy
             pass
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory, registered with CUDA as they are: PyTorch's pinned allocator rounds a
+    request up to a power of two (a 27.5 GiB teacher would take 32 GiB)."""
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    torch.cuda.check_error(int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)))
+    return flat
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
