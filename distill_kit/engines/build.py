@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distill_kit.config import TrainingConfig
-from distill_kit.engines import fp8, schedule
+from distill_kit.engines import fp8, overflow, schedule
 from distill_kit.engines.deepspeed_config import zero_stage
 from distill_kit.engines.head import headless_forward
 from distill_kit.engines.models import TORCH_DTYPES
@@ -50,6 +50,7 @@ def build_student(
     config = {key: value for key, value in ds_config.items() if key != "scheduler"}  # the run's schedule runs
     engine, *_ = deepspeed.initialize(model=module, model_parameters=trainable, config=config,
                                       lr_scheduler=lambda optimizer: schedule.scheduler(optimizer, training))
+    overflow.fuse_overflow_check(engine)  # the same bf16 non-finite check, without ~2,000 launches a step
     return engine
 
 
