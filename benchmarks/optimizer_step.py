@@ -8,6 +8,8 @@ measures, in one launch on one GPU, the student alone (no teacher):
 * ``ds``: ``engine.step()`` of a DeepSpeed ZeRO-2 bf16 engine as the project configures it (``configs/
   zero2_student.json``: ``torch_adam`` true, gradient clipping 1.0), and the same with each lever changed:
   ``fusedadam`` (DeepSpeed's own fused Adam, ``torch_adam`` false) and ``noclip`` (gradient clipping 0);
+* ``fusedcheck``: DeepSpeed's bf16 non-finite-gradient check replaced by ``engines/overflow.py``'s one multi-tensor
+  reduction, as the project's student engines run;
 * ``torch_fused``: ``torch.optim.AdamW(fused=True)`` over an fp32 master copy plus the copy back to bf16: the
   floor a hand-written mixed-precision step would reach.
 
@@ -31,7 +33,7 @@ import torch
 from pairs import PAIRS
 from transformers import AutoModelForCausalLM
 
-from distill_kit.engines import distributed
+from distill_kit.engines import distributed, overflow
 
 
 def ds_config(torch_adam: bool, clip: float, bf16: bool) -> dict[str, Any]:
@@ -64,11 +66,13 @@ def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
     return times
 
 
-def run_ds(config, torch_adam: bool, clip: float, args, device) -> dict[str, Any]:
+def run_ds(config, torch_adam: bool, clip: float, args, device, fused_check: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(torch_adam, clip, device.type == "cuda"))
+    if fused_check:  # the project's engines/overflow.py, as build_student applies it
+        overflow.fuse_overflow_check(engine)
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=device)
 
     def backward() -> None:
@@ -136,6 +140,7 @@ def main() -> None:
     # that fails is recorded with its error, the rest kept. Written after every variant (a timeout keeps the rest).
     variants = {"ds": lambda: run_ds(config, True, 1.0, args, device),
                 "ds+noclip": lambda: run_ds(config, True, 0.0, args, device),
+                "ds+fusedcheck": lambda: run_ds(config, True, 1.0, args, device, fused_check=True),
                 "torch_fused": lambda: run_torch_fused(config, args, device),
                 "ds+fusedadam": lambda: run_ds(config, False, 1.0, args, device),
                 "ds+fusedadam+noclip": lambda: run_ds(config, False, 0.0, args, device)}
@@ -153,8 +158,9 @@ def write(out: Path, args, parameters: int, predicted_gb: float, result: dict[st
              "", "| variant | optimizer step ms (median) |", "|---|---|"]
     lines += [f"| {name} | " + (f"{value['ms']:.1f}" if value.get("ms") is not None else value.get("error", ""))
               + " |" for name, value in result.items() if isinstance(value, dict)]
-    if result.get("ds", {}).get("profile"):
-        lines += ["", "```", result["ds"]["profile"]["cuda"], result["ds"]["profile"]["cpu"], "```"]
+    for name, value in result.items():
+        if isinstance(value, dict) and value.get("profile"):
+            lines += ["", f"{name}:", "```", value["profile"]["cuda"], value["profile"]["cpu"], "```"]
     (out / "optimizer_step.md").write_text("\n".join(lines))
 
 
