@@ -174,7 +174,7 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         server = subprocess.Popen(
             [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
              str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
-            env=os.environ | {"PYTHONPATH": str(ROOT)})
+            env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
         try:
             for k in args.k:
                 for prefetch in (False, True):
