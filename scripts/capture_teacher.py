@@ -9,6 +9,12 @@ removes the teacher's forward and its weights from every training step. Run it o
 The blocks are built by ``distill_kit.data.blocks`` from the data flags below; a training run uses the same
 store only with the same blocks (same files, tokenizer, block size, packing, held-out split and seed),
 and refuses it otherwise. A stopped capture resumes when run again with the same arguments.
+
+``--teacher`` may be a teacher server's URL (``scripts/serve_teacher.py``, vLLM, SGLang): the same store is filled
+through the served-teacher client (``distill_kit/teachers/served_capture.py``); give ``--tokenizer``::
+
+    python scripts/capture_teacher.py --teacher http://127.0.0.1:8100 --tokenizer path/to/teacher \
+        --data corpus/*.jsonl --k 20 --out stores/served-k20
 """
 
 from __future__ import annotations
@@ -18,18 +24,27 @@ import json
 import logging
 from pathlib import Path
 
+import yaml
 from transformers import AutoTokenizer
 
 from distill_kit.config import CONFIG_DIR
 from distill_kit.data.blocks import DataConfig, build_splits
 from distill_kit.engines import distributed
+from distill_kit.errors import ConfigError, DataError, DeepSpeedConfigError
 from distill_kit.offline.capture import CaptureConfig, capture
+from distill_kit.offline.store import Manifest
+from distill_kit.teachers import served_capture
+from distill_kit.teachers.served import is_url
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--teacher", required=True, help="a save_pretrained folder or hub name")
-    parser.add_argument("--tokenizer", help="tokenizer folder or hub name (default: the teacher's)")
+    parser.add_argument("--teacher", required=True,
+                        help="a save_pretrained folder or hub name, or a teacher server's URL (http://host:port)")
+    parser.add_argument("--tokenizer", help="tokenizer folder or hub name (default: the teacher's; a URL needs it)")
+    parser.add_argument("--teacher-options", default="{}",
+                        help="a served teacher's options as YAML/JSON, e.g. '{api: vllm, api_key_env: KEY}' "
+                             "(distill_kit/teachers/served.py); --k sets k")
     parser.add_argument("--out", type=Path, required=True, help="the store folder (resumed if it holds a capture)")
     parser.add_argument("--data", nargs="+", required=True, help="text/JSON(L)/Parquet files, or a hub dataset")
     parser.add_argument("--heldout", nargs="+", help="held-out files (default: a fraction of --data)")
@@ -54,13 +69,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--teacher-precision", choices=("auto", "bf16", "fp8"), default=defaults.teacher_precision,
                         help="fp8: the teacher's decoder layers in FP8 (torchao), replicated on every rank")
     parser.add_argument("--ds-config", default=str(CONFIG_DIR / "zero3_teacher.json"),
-                        help="the teacher's DeepSpeed config (ZeRO-3 shards it over the ranks)")
+                        help="the teacher's DeepSpeed config (ZeRO-3 shards it over the ranks), filled and checked "
+                             "as a run's teacher's")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO)
+    try:
+        manifest = run(args)
+    except (ConfigError, DataError, DeepSpeedConfigError) as err:
+        raise SystemExit(f"capture_teacher.py: {err}") from None
+    if distributed.is_main():
+        print(json.dumps({"store": str(args.out), **manifest.stats}, indent=2))
+
+
+def run(args: argparse.Namespace) -> Manifest:
+    """The store the arguments ask for: captured in-process, or through the served-teacher client for a URL."""
+    served = is_url(args.teacher)
+    if served and not args.tokenizer:
+        raise ConfigError(f"--teacher {args.teacher} is a server: give --tokenizer, the folder of the served "
+                          "model's tokenizer (its config.json too where the server reports no config)")
+    options = yaml.safe_load(args.teacher_options)
+    if not isinstance(options, dict):
+        raise ConfigError(f"--teacher-options {args.teacher_options!r}: give a mapping, e.g. '{{api: vllm}}'")
     distributed.init()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
     data = DataConfig(train=args.data, heldout=args.heldout, heldout_fraction=args.heldout_fraction,
@@ -75,9 +108,9 @@ def main() -> None:
         teacher_precision=args.teacher_precision,
     )
     blocks = splits.train if args.split == "train" else splits.heldout
-    manifest = capture(args.teacher, tokenizer, blocks, args.out, config, ds_config=args.ds_config)
-    if distributed.is_main():
-        print(json.dumps({"store": str(args.out), **manifest.stats}, indent=2))
+    if served:
+        return served_capture.capture(args.teacher, tokenizer, blocks, args.out, config, options)
+    return capture(args.teacher, tokenizer, blocks, args.out, config, ds_config=args.ds_config)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ is killed at the end. Checked: its targets equal the in-process teacher's top-k
 does; within a float32 bound through the vLLM-compatible JSON, scored a prompt at a time), so the losses equal too;
 a tokenizer other than the server's refused before anything is built; every fault (slow, empty, truncated,
 non-JSON, other tokens, another k, down at start, died and restarted, gone for good); the vLLM and SGLang fixtures,
-written from their schemas, parse to the same targets. About 50 s on 2 shared CPU cores, most of it imports and the
-server's start.
+written from their schemas, parse to the same targets; a store captured from the server equals an in-process
+capture's, bitwise, and what it cannot serve is refused before any write. About 60 s on 2 shared CPU cores, most
+of it imports and the server's start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -290,6 +292,53 @@ def test_another_tokenizer_is_refused_before_anything_is_built(server, tmp_path)
     (problem,) = fingerprint_problems([("t", card)], str(other))
     assert "differs" in problem
     assert list(tmp_path.iterdir()) == [other]  # nothing written
+
+
+def test_a_store_captured_from_the_server_equals_one_captured_in_process(server, tmp_path):
+    """The same blocks (full, padded, filler rows in the last micro-batch) at the same k, float32 values: the
+    in-process capture (a ZeRO-3 engine on one rank) and the served one give the same manifest but its source, and
+    the same parts, bitwise. Why bitwise: the server scores a micro-batch's real blocks as one right-padded fp32
+    batch on the same threads, one column wider (the token sent after each block's end, which no earlier position
+    attends to); the extra column and the filler rows not sent change only how many masked keys (weight exactly 0
+    after the softmax) and rows there are, not the order of any real position's sums. A CPU build whose kernels
+    sum in another order would need the float32 bound of the vLLM test above (1e-4) instead."""
+    import datasets
+    from safetensors.torch import load_file
+    from tiny_tokenizers import bpe
+    from transformers import AutoTokenizer
+
+    from distill_kit.offline.capture import CaptureConfig, capture
+    from distill_kit.teachers import served_capture
+
+    ids = torch.randint(1, 1024, (6, T), generator=torch.Generator().manual_seed(11))
+    mask = (torch.arange(T)[None] < torch.tensor([T, T // 2, T, 2, T, T - 1])[:, None]).long()
+    blocks = datasets.Dataset.from_dict({"input_ids": (ids * mask).tolist(), "attention_mask": mask.tolist(),
+                                        "labels": ids.masked_fill(mask == 0, -100).tolist()})
+    tokenizer, options = AutoTokenizer.from_pretrained(TEACHER), {"api_key_env": KEY_ENV, "rows_per_request": B}
+    config = CaptureConfig(k=K, values_dtype="fp32", micro_batch_size=B, batches_per_part=1, dtype="fp32")
+    for bad, match in ((dataclasses.replace(config, k=65), r"--k 65: .* at most 64.*--k 64 or less"),
+                       (dataclasses.replace(config, hidden_layers=(1,)), "--hidden-layers: a served teacher")):
+        with pytest.raises(ConfigError, match=match):
+            served_capture.capture(server.url, tokenizer, blocks, tmp_path / "refused", bad, options)
+    other = tmp_path / "other_tokenizer"
+    bpe("a b").save_pretrained(other)
+    with pytest.raises(ConfigError, match="tokenizer .* differs from --tokenizer's"):
+        served_capture.capture(server.url, AutoTokenizer.from_pretrained(other), blocks, tmp_path / "refused",
+                               config, options)
+    assert not (tmp_path / "refused").exists()  # every refusal before any write
+
+    local = capture(str(TEACHER), tokenizer, blocks, tmp_path / "local", config)
+    served = served_capture.capture(server.url, tokenizer, blocks, tmp_path / "served", config, options)
+    assert vars(served.spec) == vars(local.spec) | {"teacher": server.url}  # the weights' sha256 included
+    assert (served.world_size, served.micro_batch_size, served.complete) == (1, B, True)
+    parts = sorted(p.relative_to(tmp_path / "local") for p in (tmp_path / "local").rglob("*.safetensors"))
+    assert len(parts) == 2 and parts == sorted(p.relative_to(tmp_path / "served")
+                                               for p in (tmp_path / "served").rglob("*.safetensors"))
+    for part in parts:
+        want, got = load_file(tmp_path / "local" / part), load_file(tmp_path / "served" / part)
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("api", ["distill_kit", "vllm"])

@@ -28,7 +28,7 @@ from typing import Any
 
 import hjson
 
-from distill_kit.config import TrainingConfig
+from distill_kit.config import DeepSpeedSettings, TeacherSpec, TrainingConfig
 from distill_kit.errors import DeepSpeedConfigError
 
 logger = logging.getLogger(__name__)
@@ -302,6 +302,16 @@ class FrozenConfig:
     hidden_size: int | None
     overrides: Mapping[str, Any] | None = None
 
+    @classmethod
+    def of(cls, spec: TeacherSpec, hidden_size: int | None, settings: DeepSpeedSettings,
+           implied: Mapping[str, Any] | None = None) -> FrozenConfig:
+        """``spec``'s config: its own ``ds_config`` or the run's teacher one, under the run's teacher overrides, its
+        own, then ``implied`` (what the run's residency needs). The plan and offline capture both take a teacher's
+        config from here and fill it with :func:`prepare`, so a teacher's engine is configured one way, whether it
+        teaches or fills a store."""
+        return cls(spec.ds_config or settings.teacher, hidden_size,
+                   {**settings.teacher_overrides, **spec.ds_overrides, **(implied or {})})
+
 
 def prepare(
     trained: Mapping[str, TrainedConfig],
@@ -309,6 +319,7 @@ def prepare(
     *,
     world_size: int,
     labels: Mapping[str, str] | None = None,
+    training: TrainingConfig | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """Every trained model's engine config and every frozen teacher's, by the same keys.
 
@@ -318,6 +329,8 @@ def prepare(
     DeepSpeed still refuses an engine without ``train_micro_batch_size_per_gpu``, so it takes the run's batch keys
     (a value of its own is replaced, with a warning: a frozen engine never uses it); its precision must be the
     run's, like every trained model's. ``labels`` names a key's model in the messages instead of the key.
+    ``training``: the settings the teachers follow; None: the first trained model's (a capture, which trains
+    nothing, gives its own).
     """
     labels = labels or {}
     configs: dict[str, dict[str, Any]] = {}
@@ -337,7 +350,7 @@ def prepare(
         configs[label] = config
         problems += found
     teachers: dict[str, dict[str, Any]] = {}
-    training = next(iter(trained.values())).training if trained else None
+    training = training or (next(iter(trained.values())).training if trained else None)
     for label, request in frozen.items():
         name = f"{labels.get(label, label)} DeepSpeed config"
         config, found = resolve(load(request.source), training, hidden_size=request.hidden_size,

@@ -4,6 +4,9 @@ Every rank runs the teacher on its own micro-batches (``data.BlockLoader``: the 
 as the ZeRO-3 forward's collectives need) and writes its own parts; nothing is gathered. A part covers
 ``batches_per_part`` micro-batches and is written whole or not at all, so a capture that stops resumes
 at the last part every rank finished, and a part written twice is written with the same content.
+
+:func:`capture` runs an in-process engine; :func:`fill_store` is the loop and the store around any source of rows,
+so a served teacher fills the same store through its client (``teachers/served_capture.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from distill_kit.config import CONFIG_DIR, Precision, TrainingConfig, check_teacher_precision
+from distill_kit.config import (
+    CONFIG_DIR,
+    DeepSpeedSettings,
+    Precision,
+    TeacherSpec,
+    TrainingConfig,
+    check_teacher_precision,
+)
 from distill_kit.data.blocks import BlockLoader
 from distill_kit.engines import distributed, fingerprint, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
-from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, load, resolve
+from distill_kit.engines.deepspeed_config import FrozenConfig, prepare
 from distill_kit.engines.models import ModelSource
 from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
 from distill_kit.offline.store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
@@ -64,6 +74,15 @@ class CaptureConfig:
             raise ValueError(f"capture teacher_precision must be auto, bf16 or fp8, got {self.teacher_precision!r}")
         check_teacher_precision(self.teacher_precision, self.dtype, "capture teacher_precision", "dtype")
 
+    def training(self) -> TrainingConfig:
+        """The run settings the teacher's engine follows, as a run's teacher follows the run's: batch and precision."""
+        return TrainingConfig(micro_batch_size=self.micro_batch_size, dtype=self.dtype)
+
+
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]
+"""A micro-batch's store rows, one per real token of its dataset blocks, in order: top-k log-probabilities (n, k)
+float32, their ids (n, k), the tail's log mass (n,), and each kept hidden layer's states (n, H)."""
+
 
 def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits`` (n, V) -> top-k log-probabilities (n, k) float32, ids (n, k), log of the rest (n,).
@@ -81,17 +100,16 @@ def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor
     return torch.cat(values), torch.cat(ids), torch.cat(tails)
 
 
-def teacher_ds_config(ds_config: str | Path | Mapping[str, Any], training: TrainingConfig, hidden_size: int | None,
-                      world_size: int) -> dict[str, Any]:
-    """The frozen teacher's engine config, filled as the Distiller fills it (no optimizer, no scheduler)."""
-    config, problems = resolve(load(ds_config), training, hidden_size=hidden_size, world_size=world_size,
-                               name="teacher DeepSpeed config")
-    if problems:
-        raise DeepSpeedConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
-    config.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
-    config.pop("optimizer", None)
-    config.pop("scheduler", None)
-    return config
+def engine_config(teacher: ModelSource, config: CaptureConfig, world_size: int,
+                  ds_config: str | Path | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The teacher engine's DeepSpeed config (None: a run's default teacher config), filled and checked by the code
+    that fills a run's teachers' (``FrozenConfig.of`` and ``prepare``, as ``training/plan.make_plan`` calls them): the
+    plan's config for the same teacher and settings, and a bad one refused in the plan's words
+    (``DeepSpeedConfigError``), before anything loads."""
+    spec = TeacherSpec(model=teacher, ds_config=ds_config)
+    _, teachers = prepare({}, {spec.name: FrozenConfig.of(spec, models.hidden_size(teacher), DeepSpeedSettings())},
+                          world_size=world_size, training=config.training())
+    return teachers[spec.name]
 
 
 def _on_main(compute: Callable[[], str]) -> str:
@@ -132,23 +150,48 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     manifest, whose ``stats`` hold tokens and bytes per token on disk.
     """
     config = config or CaptureConfig()
+    device = distributed.init()
+    teacher_cfg = models.model_config(teacher)
+    ds = engine_config(teacher, config, distributed.world_size(), ds_config)
+    precision = fp8.resolve(config.teacher_precision, config.dtype)
+    fp8.check_teacher(precision, config.dtype, teacher, "teacher_precision")
+    loaded = fp8.load_teacher(teacher, ds, config.dtype, precision, False, device)
+    if precision == "fp8":
+        kernels.apply(loaded, "compile", "teacher_precision")  # FP8 pays off only fused (engines/fp8.py)
+    model = build_teacher(loaded, ds, config.dtype, device)
+
+    @torch.no_grad()
+    def rows(batch: Mapping[str, torch.Tensor], real: int) -> Rows:
+        """The teacher's forward on the whole micro-batch (a collective: filler rows too), then its first ``real``
+        blocks' rows."""
+        input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(config.hidden_layers),
+                    use_cache=False)  # no cache: see training/student.py:Student.inputs
+        keep = mask[:real].bool()
+        values, ids, tails = (t.cpu() for t in top_k(out.logits[:real][keep], config.k, config.chunk_tokens))
+        return values, ids, tails, {layer: out.hidden_states[layer][:real][keep].cpu()
+                                    for layer in config.hidden_layers}
+
+    name = type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher)
+    # The identity checkpoints record too, so a run resumed from the store is checked against the same teacher.
+    return fill_store(rows, name, fingerprint.teacher_fingerprint(model), teacher_cfg.to_dict(), tokenizer, blocks,
+                      out, config)
+
+
+def fill_store(rows: Callable[[Mapping[str, torch.Tensor], int], Rows], teacher: str, teacher_hash: str,
+               teacher_config: Mapping[str, Any], tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
+               config: CaptureConfig) -> Manifest:
+    """The store ``out`` filled with ``rows(batch, real)`` of each of this rank's micro-batches of ``blocks`` (its
+    first ``real`` rows are dataset blocks, the rest the loader's filler), resumed where a stopped capture ended.
+
+    ``teacher``, ``teacher_hash`` and ``teacher_config`` are what the manifest records of the teacher (its source,
+    its weights' sha256, its config as a dict); ``tokenizer`` None records none. Nothing is written before this
+    call: a source checks what it can serve first."""
     root = Path(out)
     device = distributed.init()
     rank, world = distributed.rank(), distributed.world_size()
-    teacher_cfg = models.model_config(teacher)
-    training = TrainingConfig(micro_batch_size=config.micro_batch_size, dtype=config.dtype)
-    engine_config = teacher_ds_config(ds_config, training, models.hidden_size(teacher), world)
-    precision = fp8.resolve(config.teacher_precision, config.dtype)
-    fp8.check_teacher(precision, config.dtype, teacher, "teacher_precision")
-    loaded = fp8.load_teacher(teacher, engine_config, config.dtype, precision, False, device)
-    if precision == "fp8":
-        kernels.apply(loaded, "compile", "teacher_precision")  # FP8 pays off only fused (engines/fp8.py)
-    model = build_teacher(loaded, engine_config, config.dtype, device)
     spec = StoreSpec(
-        teacher=type(teacher).__name__ if isinstance(teacher, torch.nn.Module) else str(teacher),
-        # The identity checkpoints record too, so a run resumed from the store is checked against the same teacher.
-        teacher_hash=fingerprint.teacher_fingerprint(model),
-        teacher_config=teacher_cfg.to_dict(),
+        teacher=teacher, teacher_hash=teacher_hash, teacher_config=dict(teacher_config),
         tokenizer="none" if tokenizer is None else str(getattr(tokenizer, "name_or_path", "?")),
         tokenizer_hash="" if tokenizer is None else tokenizer_fingerprint(tokenizer),
         dataset=_on_main(lambda: dataset_fingerprint(blocks)),
@@ -170,7 +213,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
     first, started = done, time.perf_counter()
     for index, batch in enumerate(loader, start=done):
         real = _real_blocks(len(blocks), index, rank, world, config.micro_batch_size)
-        _capture_batch(model, batch, real, writer, spec, config, device)
+        _write_rows(writer, batch, real, *rows(batch, real))
         if (index + 1) % config.batches_per_part == 0 or index + 1 == len(loader):
             writer.flush(first, index + 1)
             first = index + 1
@@ -192,17 +235,10 @@ def _real_blocks(num_blocks: int, index: int, rank: int, world: int, micro_batch
     return max(0, min(micro_batch_size, num_blocks - start))
 
 
-@torch.no_grad()
-def _capture_batch(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], real: int, writer: PartWriter,
-                   spec: StoreSpec, config: CaptureConfig, device: torch.device) -> None:
-    """One micro-batch: the teacher's forward on all of it (a collective: filler rows too), then the rows of
-    its first ``real`` blocks, one per real token."""
-    input_ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(spec.hidden_layers),
-                use_cache=False)  # no cache: see training/student.py:Student.inputs
-    keep = mask[:real].bool()
-    values, ids, tails = (t.cpu() for t in top_k(out.logits[:real][keep], spec.k, config.chunk_tokens))
-    hidden = {layer: out.hidden_states[layer][:real][keep].cpu() for layer in spec.hidden_layers}
+def _write_rows(writer: PartWriter, batch: Mapping[str, torch.Tensor], real: int, values: torch.Tensor,
+               ids: torch.Tensor, tails: torch.Tensor, hidden: Mapping[int, torch.Tensor]) -> None:
+    """A micro-batch's :data:`Rows` split into its first ``real`` blocks, each added under its tokens' key."""
+    input_ids, keep = batch["input_ids"][:real], batch["attention_mask"][:real].bool()
     counts = keep.sum(1).tolist()
     hidden_rows = {layer: state.split(counts) for layer, state in hidden.items()}
     for row, (row_values, row_ids, row_tails) in enumerate(zip(values.split(counts), ids.split(counts),

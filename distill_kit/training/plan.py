@@ -385,9 +385,8 @@ def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[Teach
         {s.name: TrainedConfig(s.ds_config or deepspeed.student, s.training(training),
                                models.facts(student_configs[s.name])["hidden_size"],
                                {**deepspeed.student_overrides, **s.ds_overrides}) for s in students},
-        {t.name: FrozenConfig(t.ds_config or deepspeed.teacher, cards[t.name].hidden_size,
-                              {**deepspeed.teacher_overrides, **t.ds_overrides,
-                               **residency.ds_overrides(training.teacher_residency)}) for t in engines},
+        {t.name: FrozenConfig.of(t, cards[t.name].hidden_size, deepspeed,
+                                 residency.ds_overrides(training.teacher_residency)) for t in engines},
         world_size=world_size,
         labels={s.name: "student" if alone else f"student {s.name!r}" for s in students}
         | {t.name: "teacher" if len(teachers) == 1 else f"teacher {t.name!r}" for t in engines})
