@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import re
 import socket
@@ -27,12 +30,59 @@ def clean_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in RENDEZVOUS}
 
 
+DISTILL = ROOT / "scripts" / "distill.py"
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """``scripts/distill.py ARGS`` on one rank, in this process: what the script runs (``cli.main``), without a
+    second interpreter importing torch, DeepSpeed and transformers again (~10 s a start on a 2-core machine).
+
+    Its stdout, stderr and INFO log lines are captured as a subprocess's would be; the rendezvous variables the
+    start sets are put back after it, so that ranks launched later pick their own port; the process group is kept
+    (``cli.main`` ends a process by destroying it, and DeepSpeed keeps the first group it saw for the next engine
+    built in this process). A run that stops with an
+    error fails the calling test with what it printed, as ``run_ranks`` does. Tests of the process itself (its exit
+    status, signals, a kill, no traceback on stderr) start the script with ``run_ranks(..., in_process=False)``.
+    """
+    from unittest import mock
+
+    from distill_kit.engines import distributed
+    from distill_kit.run import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    root, environment = logging.getLogger(), dict(os.environ)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(distributed, "shutdown", lambda: None):
+            code = cli.main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environment)
+    done = subprocess.CompletedProcess([str(DISTILL), *args], 0 if code in (0, None) else 1, out.getvalue(),
+                                       err.getvalue() + ("" if code in (0, None) else f"\n{code}"))
+    if done.returncode:
+        raise AssertionError(f"{DISTILL} {args} stopped: {code}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return done
+
+
 def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300,
-              launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nprocs`` ranks (``torchrun`` or ``deepspeed``), or plain ``python`` when ``nprocs`` is 0.
+              launcher: str = "torchrun", in_process: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nprocs`` ranks (``torchrun`` or ``deepspeed``), or plain ``python`` when ``nprocs`` is 0
+    (``scripts/distill.py`` on one rank: in this process, :func:`run_cli`, unless ``in_process`` is False).
 
     A non-zero exit or a timeout fails the calling test, with the ranks' output in the message.
     """
+    if not nprocs and in_process and Path(script).resolve() == DISTILL:
+        return run_cli(args)
     if nprocs and launcher == "deepspeed":
         command = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nprocs}", "--no_local_rank",
                    f"--master_port={free_port()}", str(script), *args]
