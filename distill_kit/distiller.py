@@ -193,6 +193,13 @@ class Distiller(Trainer):
         return batch["teacher_id"]
 
     @property
+    def reads_ahead(self) -> bool:
+        """Across steps too, when a teacher prefetches (``Teachers.prefetches``) and the next micro-batch is what it
+        will read: not when rows are replaced by samples first (a paged teacher's route is the data's all the same)."""
+        return (self.needs_teacher and self.teachers.prefetches
+                and (self.training.on_policy.fraction == 0 or self.teachers.pager is not None))
+
+    @property
     def needs_teacher(self) -> bool:
         """Some student's loss reads the teachers' outputs. When none does (cross-entropy alone: SFT,
         sequence-level KD) the step skips their forward, on every rank alike."""

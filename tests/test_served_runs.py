@@ -6,7 +6,8 @@ with the in-process teacher's top-k (:class:`LocalTopK`: the teacher's forward o
 log_softmax by ``offline/capture.top_k``), bitwise; the server killed mid-run stops the run cleanly (its message, a
 checkpoint of the last whole step, the records up to it), and ``--resume`` against the restarted server ends where
 the uninterrupted run ends, bitwise; a served teacher whose tokenizer is not the run's is refused before anything
-is written. Gradient accumulation 2, so the next micro-batch's teacher request is prefetched. Every server is
+is written. Gradient accumulation 2: the next micro-batch's teacher request is prefetched within a step and
+across steps. Every server is
 killed at the end. About 2 minutes on 2 shared CPU cores, most of it the servers' and the engines' start-up.
 """
 
@@ -125,13 +126,14 @@ def _checkpoints(out: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def served_run(server, texts, tmp_path_factory) -> Path:
-    """The uninterrupted run against the server; each step's second micro-batch is prefetched during its first."""
+    """The uninterrupted run against the server; every micro-batch but the first is prefetched: each step's second
+    during its first, and the next step's first during its second (the loop reads it ahead)."""
     out = tmp_path_factory.mktemp("runs") / "served"
     prefetched, send = [], ServedTeacher.prefetch
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ServedTeacher, "prefetch", lambda self, inputs: prefetched.append(1) or send(self, inputs))
         assert _run(_args(texts, out, _served(server.url))) is not None
-    assert len(prefetched) == STEPS
+    assert len(prefetched) == 2 * STEPS - 1
     return out
 
 

@@ -164,3 +164,37 @@ def test_each_model_config_is_read_once_per_run(tiny, tmp_path, monkeypatch):
     assert reads == {str(teacher): 1, str(tiny["student"]): 1}, reads
     assert models.model_config(teacher) is not None  # (the counter works: this read is the test's own)
     assert reads[str(teacher)] == 2
+
+
+def _blocks(vocab: int, count: int = 12, length: int = 16):
+    import datasets
+
+    ids = torch.randint(0, vocab, (count, length), generator=torch.Generator().manual_seed(2))
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
+                                       "labels": ids.tolist()}).with_format("torch")
+
+
+def test_a_prefetching_teacher_hears_of_every_next_micro_batch_across_steps_and_resume_is_unchanged(tiny, tmp_path):
+    """Gradient accumulation 1: the loop reads the next step's micro-batch before this step's trains, so the teacher
+    is told of every micro-batch but the first before its forward. A checkpoint taken with a micro-batch read ahead
+    records where the data stood before that read, so resuming from step 2's checkpoint gives steps 3 and 4 again
+    (losses, and the micro-batches the teacher is asked about)."""
+    from distill_kit.data.blocks import BlockLoader
+
+    def distiller(folder: Path) -> Distiller:
+        return Distiller(students=[StudentSpec(name="s", model=str(tiny["student"]))],
+                         teachers=[TeacherSpec(**_teacher(tiny, "user_teachers:PrefetchingTeacher"))],
+                         training=TrainingConfig(max_steps=4, lr=1e-3, micro_batch_size=2, save_every=2,
+                                                 checkpoint_dir=str(folder)))
+
+    whole = distiller(tmp_path / "whole")
+    assert whole.reads_ahead
+    records = whole.train(BlockLoader(_blocks(tiny["vocab"]), 2, seed=5))
+    teacher = whole.teachers.members["fixed"]
+    assert len(teacher.asked) == 4 and teacher.prefetched == teacher.asked[1:]  # told ahead of all but the first
+
+    resumed = distiller(tmp_path / "resumed")
+    resumed.load(tmp_path / "whole" / "step_00000002")  # saved with step 3's micro-batch read ahead
+    rest = resumed.train(BlockLoader(_blocks(tiny["vocab"]), 2, seed=5))
+    assert rest == records[2:]
+    assert resumed.teachers.members["fixed"].asked == teacher.asked[2:]

@@ -48,3 +48,22 @@ class FixedTopKTeacher(FixedTeacher):
         top = torch.log_softmax(self.z, -1).topk(8)
         shape = (*inputs["input_ids"].shape, 8)
         return SimpleNamespace(logits=SparseTeacherLogits(top.values.expand(shape), top.indices.expand(shape)))
+
+
+class PrefetchingTeacher(FixedTeacher):
+    """The fixed distribution, and a record of what it is told ahead (``prefetch``) and what it is asked
+    (``forward``): the inputs' first token ids, in order."""
+
+    kind = "user_teachers:PrefetchingTeacher"
+
+    def __init__(self, spec, card, setup):
+        super().__init__(spec, card, setup)
+        self.prefetched: list[list[int]] = []
+        self.asked: list[list[int]] = []
+
+    def prefetch(self, inputs: Mapping[str, Any]) -> None:
+        self.prefetched.append(inputs["input_ids"][:, 0].tolist())
+
+    def forward(self, inputs: Mapping[str, Any]) -> Any:
+        self.asked.append(inputs["input_ids"][:, 0].tolist())
+        return super().forward(inputs)

@@ -88,6 +88,14 @@ class Teachers:
                        for name, teacher in self.members.items()}
         return next(iter(outputs.values())) if len(outputs) == 1 else outputs
 
+    @property
+    def prefetches(self) -> bool:
+        """Some teacher does something with the next micro-batch before its forward: a server answers it, a pager
+        moves the next teacher in. The loop then reads a micro-batch ahead across steps too
+        (``Trainer.reads_ahead``)."""
+        return self.pager is not None or any(type(teacher).prefetch is not Teacher.prefetch
+                                             for teacher in self.members.values())
+
     def prefetch(self, inputs: Mapping[str, Any], route: torch.Tensor | None = None) -> None:
         """Start every teacher that can (a server) on the next micro-batch's ``inputs``; the others do nothing.
         Routed (``route``: the next micro-batch's teacher per row), paged teachers start moving the next one in."""

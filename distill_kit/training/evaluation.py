@@ -17,15 +17,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import evaluate
 import torch
 import torch.nn.functional as F
 
 from distill_kit.engines import distributed
 from distill_kit.errors import DataError
 from losses.base import next_token_labels, valid_positions
+
+if TYPE_CHECKING:
+    import evaluate
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 CHUNK_TOKENS = 2048  # rows upcast to float32 at a time: bounds memory at large vocabularies
@@ -34,6 +36,11 @@ Forward = Callable[[dict[str, torch.Tensor]], Any]
 
 
 def load_metric(name: str) -> evaluate.EvaluationModule:
+    """One of ``metrics/``, loaded by the ``evaluate`` library when an evaluation first needs it: importing
+    ``evaluate`` pulls in transformers' pipelines (~3 s a process on a 2-core CPU), which every training process
+    would otherwise pay at start-up whether it evaluates or not."""
+    import evaluate
+
     return evaluate.load(str(METRICS_DIR / f"{name}.py"))
 
 

@@ -60,7 +60,8 @@ class Trainer:
         self.evaluations: list[dict[str, Any]] = []  # every evaluation train() ran, by step; kept by checkpoints
         self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
         self._rewound: dict[str, Any] | None = None  # the position of a step a teacher could not finish
-        self.upcoming: Batch | None = None  # the step's next micro-batch while one is trained (teachers may prefetch)
+        self.upcoming: Batch | None = None  # the next micro-batch while one is trained (teachers may prefetch)
+        self._ahead: tuple[Batch, tuple[int, Any, dict[str, Any]]] | None = None  # read ahead, and the position before
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
@@ -84,6 +85,13 @@ class Trainer:
         """A step's micro-batches as trained on: each through ``make_batch`` (on-policy sampling may sample the
         whole step's rows together instead: ``on_policy.py``, ``generation_batch_size``)."""
         return [self.make_batch(batch) for batch in batches]
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Read the next step's first micro-batch before the step's last one trains, so that ``upcoming`` is never
+        empty (a served teacher's request, a paged teacher's weights go out across steps too, not only within a
+        step's accumulation). Off by default: nothing in the process gains from it."""
+        return False
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
@@ -117,7 +125,9 @@ class Trainer:
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
                 before = self._position()  # where a step the teacher could not finish starts again
-                step_batches = self.make_batches([self._to_device(next(micro_batches))
+                if self._ahead is not None:  # its first micro-batch was read ahead: the data stood before that one
+                    before = (*self._ahead[1][:2], before[2])
+                step_batches = self.make_batches([self._next(micro_batches)
                                                   for _ in range(self.training.gradient_accumulation_steps)])
                 self.micro_batches_seen += len(step_batches)
                 normalizer = loss_normalizer(step_batches, self.device)
@@ -128,12 +138,14 @@ class Trainer:
                 try:
                     for index, batch in enumerate(step_batches):
                         # the next micro-batch, whose teacher outputs a teacher outside the processes may start on
-                        self.upcoming = step_batches[index + 1] if index + 1 < len(step_batches) else None
+                        self.upcoming = (step_batches[index + 1] if index + 1 < len(step_batches) else
+                                         self._read_ahead(micro_batches) if self.step + 1 < until else None)
                         for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
                             for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
                                 key = _key(name, part)
                                 sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
                 except TeacherUnavailable as err:
+                    self._ahead = None
                     self._restore_position(before)  # this step never happened: its checkpoint is the last whole one
                     self.stopped_by = f"the teacher being unavailable ({err})"
                     break
@@ -192,12 +204,14 @@ class Trainer:
             raise ValueError("no checkpoint directory: pass one to save(), or set training.checkpoint_dir")
         rng = checkpoint.capture_rng()
         loader = self._data[0] if self._data is not None else None
+        loader_state = (self._ahead[1][1] if self._ahead is not None else  # before the micro-batch read ahead
+                        loader.state_dict() if hasattr(loader, "state_dict") else None)
         path = checkpoint.save(
             directory, self._checkpointed_engines(), step=self.step,
             trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict(),
                            "evaluations": self.evaluations},
             rank_state={"rng": rng, "micro_batches_seen": self.micro_batches_seen,
-                        "loader": loader.state_dict() if hasattr(loader, "state_dict") else None},
+                        "loader": loader_state},
             teacher_sha256=self.teacher_sha256, keep_last=self.training.keep_checkpoints,
         )
         checkpoint.restore_rng(rng)
@@ -259,7 +273,7 @@ class Trainer:
         self.nonfinite.load_state_dict(trainer_state["nonfinite"])
         self.micro_batches_seen = rank_state["micro_batches_seen"]
         self._resumed_position = {"micro_batches_seen": self.micro_batches_seen, "loader": rank_state["loader"]}
-        self._data = None
+        self._data, self._ahead = None, None
         checkpoint.restore_rng(rank_state["rng"])
         self._saved_at = (self.step, self.micro_batches_seen)
         if distributed.is_main():
@@ -289,6 +303,24 @@ class Trainer:
     def _to_device(self, batch: Mapping[str, Any]) -> Batch:
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
+    def _next(self, stream: Iterator[Batch]) -> Batch:
+        """The next micro-batch: the one read ahead, if one was."""
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead[0], None
+            return batch
+        return self._to_device(next(stream))
+
+    def _read_ahead(self, stream: Iterator[Batch]) -> Batch | None:
+        """The next step's first micro-batch, read now (``reads_ahead``), or None. It is not counted as seen until
+        its step takes it, and where the data stood before it is what a checkpoint records, so a resumed run reads it
+        again: reading ahead changes no step, only when a teacher hears of it."""
+        if not self.reads_ahead:
+            return None
+        if self._ahead is None:
+            position = self._position()
+            self._ahead = (self._to_device(next(stream)), position)
+        return self._ahead[0]
+
     def _micro_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's micro-batches: the same data as the last call continues its stream; other data is read
         from where it stands, except right after a resume, when it is put at the checkpoint's position: a loader
@@ -297,6 +329,11 @@ class Trainer:
         """
         if self._data is not None and self._data[0] is batches:
             return self._data[1]
+        if self._ahead is not None:  # other data now: the old data goes back to before what was read ahead of it
+            state = self._ahead[1][1]
+            if state is not None:
+                self._data[0].load_state_dict(state)
+            self._ahead = None
         position, self._resumed_position = self._resumed_position, None
         stream = _cycle(batches)
         if position is not None and position["loader"] is not None and hasattr(batches, "load_state_dict"):
