@@ -33,33 +33,42 @@ def clean_environment() -> dict[str, str]:
 DISTILL = ROOT / "scripts" / "distill.py"
 
 
-def run_cli(args: list[str]) -> subprocess.CompletedProcess:
-    """``scripts/distill.py ARGS`` on one rank, in this process: what the script runs (``cli.main``), without a
-    second interpreter importing torch, DeepSpeed and transformers again (~10 s a start on a 2-core machine).
+def run_here(script: str | Path, args: list[str]) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` on one rank, in this process: what the script runs (``scripts/distill.py``:
+    ``cli.main``; any other: the file as ``__main__``, its folder first on the path, ``sys.argv`` its arguments),
+    without a second interpreter importing torch, DeepSpeed and transformers again (~7 s a start on a 2-core machine).
 
-    Its stdout, stderr and INFO log lines are captured as a subprocess's would be; the rendezvous variables the
-    start sets are put back after it, so that ranks launched later pick their own port; the process group is kept
-    (``cli.main`` ends a process by destroying it, and DeepSpeed keeps the first group it saw for the next engine
-    built in this process). A run that stops with an
-    error fails the calling test with what it printed, as ``run_ranks`` does. Tests of the process itself (its exit
-    status, signals, a kill, no traceback on stderr) start the script with ``run_ranks(..., in_process=False)``.
+    Its stdout, stderr and INFO log lines are captured as a subprocess's would be; the environment (the rendezvous
+    variables a start sets), ``sys.argv`` and ``sys.path`` are put back after it, so that ranks launched later pick
+    their own port; the process group is kept (a script ends by destroying it, and DeepSpeed keeps the first group it
+    saw for the next engine built in this process). A run that stops with an error fails the calling test with what
+    it printed, as ``run_ranks`` does. Tests of the process itself (its exit status, signals, a kill, no traceback on
+    stderr) start the script with ``run_ranks(..., in_process=False)``.
     """
+    import runpy
     from unittest import mock
 
     from distill_kit.engines import distributed
     from distill_kit.run import cli
 
+    script = Path(script).resolve()
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    root, environment = logging.getLogger(), dict(os.environ)
+    root, environment, argv, path = logging.getLogger(), dict(os.environ), list(sys.argv), list(sys.path)
     level = root.level
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 mock.patch.object(distributed, "shutdown", lambda: None):
-            code = cli.main(list(args))
+            if script == DISTILL:
+                code = cli.main(list(args))
+            else:
+                sys.argv = [str(script), *args]
+                sys.path.insert(0, str(script.parent))
+                runpy.run_path(str(script), run_name="__main__")
+                code = 0
     except SystemExit as stop:
         code = stop.code
     finally:
@@ -67,22 +76,23 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
         root.setLevel(level)
         os.environ.clear()
         os.environ.update(environment)
-    done = subprocess.CompletedProcess([str(DISTILL), *args], 0 if code in (0, None) else 1, out.getvalue(),
+        sys.argv, sys.path[:] = argv, path
+    done = subprocess.CompletedProcess([str(script), *args], 0 if code in (0, None) else 1, out.getvalue(),
                                        err.getvalue() + ("" if code in (0, None) else f"\n{code}"))
     if done.returncode:
-        raise AssertionError(f"{DISTILL} {args} stopped: {code}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+        raise AssertionError(f"{script} {args} stopped: {code}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     return done
 
 
 def run_ranks(script: str | Path, args: list[str], nprocs: int, timeout: float = 300,
               launcher: str = "torchrun", in_process: bool = True) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` ranks (``torchrun`` or ``deepspeed``), or plain ``python`` when ``nprocs`` is 0
-    (``scripts/distill.py`` on one rank: in this process, :func:`run_cli`, unless ``in_process`` is False).
+    (one rank: in this process, :func:`run_here`, unless ``in_process`` is False).
 
     A non-zero exit or a timeout fails the calling test, with the ranks' output in the message.
     """
-    if not nprocs and in_process and Path(script).resolve() == DISTILL:
-        return run_cli(args)
+    if not nprocs and in_process:
+        return run_here(script, args)
     if nprocs and launcher == "deepspeed":
         command = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={nprocs}", "--no_local_rank",
                    f"--master_port={free_port()}", str(script), *args]

@@ -29,8 +29,8 @@ def killed_then_resumed(tmp_path_factory) -> dict:
     """One rank under plain python, SIGKILLed inside a save; then a new process resumes what it left."""
     out = tmp_path_factory.mktemp("killed")
     with pytest.raises(AssertionError, match="exited with -9"):
-        run_ranks(WORKER, [str(out), "killed_save"], nprocs=0, timeout=120)
-    run_ranks(WORKER, [str(out), "after_kill"], nprocs=0, timeout=120)
+        run_ranks(WORKER, [str(out), "killed_save"], nprocs=0, timeout=120, in_process=False)
+    run_ranks(WORKER, [str(out), "after_kill"], nprocs=0, timeout=120, in_process=False)
     (result,) = _results(out, "after_kill")
     return result
 
