@@ -7,6 +7,7 @@ fixture or through a helper of its module, is marked ``slow`` at collection. ``m
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import re
@@ -54,6 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         functions = [getattr(item, "function", None), *(defs[-1].func for defs in fixtures.values() if defs)]
         if "multirank" in item.keywords or any(f is not None and _spawns(f) for f in functions):
             item.add_marker(pytest.mark.slow)
+    # The files with the most such tests first (sort is stable: a file's tests keep their order). make test's two
+    # workers take whole files in this order, so the long ones start at once and the run does not end with one
+    # worker finishing a long file alone while the other waits.
+    slow = collections.Counter(item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
 
 _skipped_multirank: list[str] = []
 
