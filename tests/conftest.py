@@ -1,7 +1,8 @@
 """A skipped multi-rank test is a failure: a harness that skips them on a CPU machine proves nothing.
 
-Tiers: a test that starts processes (torchrun ranks, the CLI or a script in a subprocess), itself, through a
-fixture or through a helper of its module, is marked ``slow`` at collection. ``make test`` runs every test (CI);
+Tiers: a test that starts processes (torchrun ranks, a subprocess) or runs a whole script (``run_ranks`` on one rank
+runs it in the test's process, ``launch.run_here``), itself, through a fixture or through a helper of its module, is
+marked ``slow`` at collection. ``make test`` runs every test (CI);
 ``make test-fast`` runs ``-m "not slow"``: the in-process tests a developer runs after each change.
 """
 
