@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -325,6 +326,13 @@ def test_a_store_captured_from_the_server_equals_one_captured_in_process(server,
     with pytest.raises(ConfigError, match="tokenizer .* differs from --tokenizer's"):
         served_capture.capture(server.url, AutoTokenizer.from_pretrained(other), blocks, tmp_path / "refused",
                                config, options)
+    with socket.socket() as sock:  # a port nothing listens on: the client's error, in the script's flags
+        sock.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ConfigError) as stopped:
+        served_capture.capture(down, tokenizer, blocks, tmp_path / "refused", config, {"wait_s": 0.2})
+    assert str(stopped.value).startswith(f"--teacher: no distill_kit teacher server answered at {down}")
+    assert "--teacher-options api" in str(stopped.value) and "teachers[" not in str(stopped.value)
     assert not (tmp_path / "refused").exists()  # every refusal before any write
 
     local = capture(str(TEACHER), tokenizer, blocks, tmp_path / "local", config)

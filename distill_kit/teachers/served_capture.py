@@ -13,6 +13,7 @@ token's position gives is that prediction.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,22 @@ def capture(url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
                           "keeps the tail)")
     spec = TeacherSpec(name="capture", model=url, kind="served",
                        options={**(options or {}), "k": config.k, "tail": True})
+    try:
+        return _capture(spec, url, tokenizer, blocks, out, config)
+    except ConfigError as err:  # the client's errors name a run config's keys; this user gave the script's flags
+        raise ConfigError(_in_flags(str(err))) from None
+
+
+def _in_flags(message: str) -> str:
+    """``teachers[capture].model`` -> ``--teacher``, ``(teachers[capture].)options.X`` -> ``--teacher-options X``."""
+    message = re.sub(r"teachers\[capture\]\.options\.", "--teacher-options ", message)
+    message = message.replace("teachers[capture].options", "--teacher-options")
+    message = re.sub(r"teachers\[capture\](\.model)?", "--teacher", message)
+    return re.sub(r"(?<![\w-])options\.(?=\w)", "--teacher-options ", message)
+
+
+def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
+             config: CaptureConfig) -> Manifest:
     info = server_info(str(url).rstrip("/"), options_of(spec), spec.name)
     if info.get("max_k") is not None and config.k > int(info["max_k"]):
         raise ConfigError(f"--k {config.k}: the teacher server at {url} gives at most {info['max_k']} tokens a "
