@@ -121,8 +121,8 @@ class Teachers:
         with no row of one runs it over its first row and drops the result. The routed loader (``ChatLoader(route=
         ...)``) gives every rank one and the same teacher per micro-batch, so that never happens in a run of it.
         """
-        members = list(self.members.values())
-        needed = torch.zeros(len(members), device=route.device)
+        names = list(self.members)
+        needed = torch.zeros(len(names), device=route.device)
         needed[route.unique()] = 1
         if self.pager is None:  # paged teachers are replicated: no collective to join
             needed = distributed.all_reduce_max(needed)
@@ -130,8 +130,8 @@ class Teachers:
         for index in needed.nonzero().flatten().tolist():
             rows = (route == index).nonzero().flatten()
             sub = rows if len(rows) else route.new_zeros(1)  # a forward this rank only joins
-            own = self._own(members[index], inputs)
-            teacher = self._brought(list(self.members)[index])
+            teacher = self._brought(names[index])
+            own = self._own(teacher, inputs)
             out = teacher.forward({k: v[sub] if torch.is_tensor(v) else v for k, v in own.items()})
             vocab = self.vocab_size or out.logits.shape[-1]
             if logits is None:

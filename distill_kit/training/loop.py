@@ -61,7 +61,7 @@ class Trainer:
         self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
         self._rewound: dict[str, Any] | None = None  # the position of a step a teacher could not finish
         self.upcoming: Batch | None = None  # the next micro-batch while one is trained (teachers may prefetch)
-        self._ahead: tuple[Batch, tuple[int, Any, dict[str, Any]]] | None = None  # read ahead, and the position before
+        self._ahead: tuple[Batch, Any] | None = None  # a micro-batch read ahead, and its loader's state before it
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
@@ -125,8 +125,6 @@ class Trainer:
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
                 before = self._position()  # where a step the teacher could not finish starts again
-                if self._ahead is not None:  # its first micro-batch was read ahead: the data stood before that one
-                    before = (*self._ahead[1][:2], before[2])
                 step_batches = self.make_batches([self._next(micro_batches)
                                                   for _ in range(self.training.gradient_accumulation_steps)])
                 self.micro_batches_seen += len(step_batches)
@@ -203,15 +201,12 @@ class Trainer:
         if directory is None:
             raise ValueError("no checkpoint directory: pass one to save(), or set training.checkpoint_dir")
         rng = checkpoint.capture_rng()
-        loader = self._data[0] if self._data is not None else None
-        loader_state = (self._ahead[1][1] if self._ahead is not None else  # before the micro-batch read ahead
-                        loader.state_dict() if hasattr(loader, "state_dict") else None)
+        seen, loader_state = self._data_position()
         path = checkpoint.save(
             directory, self._checkpointed_engines(), step=self.step,
             trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict(),
                            "evaluations": self.evaluations},
-            rank_state={"rng": rng, "micro_batches_seen": self.micro_batches_seen,
-                        "loader": loader_state},
+            rank_state={"rng": rng, "micro_batches_seen": seen, "loader": loader_state},
             teacher_sha256=self.teacher_sha256, keep_last=self.training.keep_checkpoints,
         )
         checkpoint.restore_rng(rng)
@@ -279,11 +274,17 @@ class Trainer:
         if distributed.is_main():
             logger.info("resumed from %s at step %d", path, self.step)
 
+    def _data_position(self) -> tuple[int, Any]:
+        """This rank's micro-batches seen and its loader's state (None for data that keeps none), before any
+        micro-batch read ahead: where a checkpoint, or a step the teacher could not finish, starts reading again."""
+        if self._ahead is not None:
+            return self.micro_batches_seen, self._ahead[1]
+        loader = self._data[0] if self._data is not None else None
+        return self.micro_batches_seen, loader.state_dict() if hasattr(loader, "state_dict") else None
+
     def _position(self) -> tuple[int, Any, dict[str, Any]]:
         """This rank's data position and random generators, as a step starts."""
-        loader = self._data[0] if self._data is not None else None
-        state = loader.state_dict() if hasattr(loader, "state_dict") else None
-        return self.micro_batches_seen, state, checkpoint.capture_rng()
+        return (*self._data_position(), checkpoint.capture_rng())
 
     def _restore_position(self, position: tuple[int, Any, dict[str, Any]]) -> None:
         """Back to a step's start, so that the checkpoint taken next continues exactly there. A loader that keeps no
@@ -317,8 +318,8 @@ class Trainer:
         if not self.reads_ahead:
             return None
         if self._ahead is None:
-            position = self._position()
-            self._ahead = (self._to_device(next(stream)), position)
+            _, state = self._data_position()
+            self._ahead = (self._to_device(next(stream)), state)
         return self._ahead[0]
 
     def _micro_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -330,9 +331,8 @@ class Trainer:
         if self._data is not None and self._data[0] is batches:
             return self._data[1]
         if self._ahead is not None:  # other data now: the old data goes back to before what was read ahead of it
-            state = self._ahead[1][1]
-            if state is not None:
-                self._data[0].load_state_dict(state)
+            if self._ahead[1] is not None:
+                self._data[0].load_state_dict(self._ahead[1])
             self._ahead = None
         position, self._resumed_position = self._resumed_position, None
         stream = _cycle(batches)
