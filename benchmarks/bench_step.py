@@ -109,6 +109,8 @@ LEVERS = {
            "replicated (with mode upper)",
     "dscheck": "DeepSpeed's own per-tensor bf16 non-finite-gradient check at the optimizer step, instead of "
                "engines/overflow.py's one multi-tensor reduction (the same answer)",
+    "dsnorm": "DeepSpeed's own per-tensor gradient norm for clipping, instead of engines/overflow.py's one "
+              "multi-tensor norm (the same norm, another summation order)",
     "teacherlogits": "training.teacher_head_at_loss off: the teacher's full logits (B x T x vocabulary), instead of "
                      "its head applied chunk by chunk at the loss",
 }
@@ -286,8 +288,9 @@ def measure(run: Run, args: argparse.Namespace, facts: dict[str, Any], device: t
     distiller = TimedDistiller(student, teacher, loss=loss, training=training,
                                student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
     result["build_s"] = time.perf_counter() - build_start
-    if "dscheck" in run.levers:  # the instance's fused method removed: DeepSpeed's class method answers again
-        vars(distiller.student.optimizer).pop("has_overflow_partitioned_grads_serial", None)
+    for lever, method in (("dscheck", "has_overflow_partitioned_grads_serial"), ("dsnorm", "get_grad_norm_direct")):
+        if lever in run.levers:  # the instance's fused method removed: DeepSpeed's class method answers again
+            vars(distiller.student.optimizer).pop(method, None)
     try:
         result |= timed_training(distiller, training, run, args, facts, device, left_before)
     finally:  # also when a step runs out of memory: the next run must not find these engines on the device

@@ -9,7 +9,8 @@ measures, in one launch on one GPU, the student alone (no teacher):
   zero2_student.json``: ``torch_adam`` true, gradient clipping 1.0), and the same with each lever changed:
   ``fusedadam`` (DeepSpeed's own fused Adam, ``torch_adam`` false) and ``noclip`` (gradient clipping 0);
 * ``fusedcheck``: DeepSpeed's bf16 non-finite-gradient check replaced by ``engines/overflow.py``'s one multi-tensor
-  reduction, as the project's student engines run;
+  reduction; ``fused``: that and the gradient norm for clipping in one multi-tensor norm too (on CUDA), as the
+  project's student engines run;
 * ``torch_fused``: ``torch.optim.AdamW(fused=True)`` over an fp32 master copy plus the copy back to bf16: the
   floor a hand-written mixed-precision step would reach.
 
@@ -66,13 +67,16 @@ def timed(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
     return times
 
 
-def run_ds(config, torch_adam: bool, clip: float, args, device, fused_check: bool = False) -> dict[str, Any]:
+def run_ds(config, torch_adam: bool, clip: float, args, device, fused_check: bool = False,
+           fused_norm: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(torch_adam, clip, device.type == "cuda"))
     if fused_check:  # the project's engines/overflow.py, as build_student applies it
         overflow.fuse_overflow_check(engine)
+    if fused_norm:
+        overflow.fuse_grad_norm(engine)
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=device)
 
     def backward() -> None:
@@ -141,6 +145,7 @@ def main() -> None:
     variants = {"ds": lambda: run_ds(config, True, 1.0, args, device),
                 "ds+noclip": lambda: run_ds(config, True, 0.0, args, device),
                 "ds+fusedcheck": lambda: run_ds(config, True, 1.0, args, device, fused_check=True),
+                "ds+fused": lambda: run_ds(config, True, 1.0, args, device, fused_check=True, fused_norm=True),
                 "torch_fused": lambda: run_torch_fused(config, args, device),
                 "ds+fusedadam": lambda: run_ds(config, False, 1.0, args, device),
                 "ds+fusedadam+noclip": lambda: run_ds(config, False, 0.0, args, device)}
