@@ -140,6 +140,14 @@ def parse_run(text: str) -> Run:
 # --- shared by every framework: weights, rows, timing ------------------------------------------------------------
 
 
+def parse_planned(text: str) -> tuple[str, Run]:
+    """``PAIR:RUN``: a run (:func:`parse_run`) on one pair of ``pairs.py``."""
+    pair, sep, run = text.partition(":")
+    if not sep or not pair:
+        raise argparse.ArgumentTypeError(f"bad plan entry {text!r}: expected PAIR:RUN, e.g. qwen2-7b-0.5b:ours@16")
+    return pair, parse_run(run)
+
+
 def seeded_init(model: Any, seed: int) -> None:
     """Give ``model`` the same weights whatever built it: each parameter drawn from a generator seeded by its name
     (normal, std ``initializer_range``; norms 1, biases 0), gathered first when ZeRO-3 has partitioned it."""
@@ -545,6 +553,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="FRAMEWORK@MB[,MB...][+OPTION...] for every pair (default: each pair's own list); "
                         "frameworks: " + "; ".join(f"{k}: {v}" for k, v in FRAMEWORKS.items()) + "; options: "
                         + "; ".join(f"{k}: {v}" for k, v in OPTIONS.items()))
+    parser.add_argument("--plan", nargs="+", type=parse_planned, default=None,
+                        help="PAIR:RUN ..., each run on its own pair, in this order (instead of --pairs and --runs), "
+                        "e.g. qwen2-7b-0.5b:distill@32 qwen2-32b-0.5b:ours@8")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 1024; smoke 16)")
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="on-policy prompt tokens; the student samples the rest (default 768; smoke 8)")
@@ -576,10 +587,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         import bench_step  # the ZeRO-3 sizes ours uses for every ZeRO-3 model, given to TRL's too
 
         args.zero3 = bench_step.parse_args(["--out", "unused"]).zero3
-    elif args.pairs:
+    elif args.pairs or args.plan:
         import pairs
 
-        if unknown := sorted(set(args.pairs) - set(pairs.PAIRS)):
+        named = set(args.pairs or []) | {pair for pair, _ in args.plan or []}
+        if unknown := sorted(named - set(pairs.PAIRS)):
             parser.error(f"unknown pairs {unknown}: pairs.py has {sorted(pairs.PAIRS)}")
     return args
 
@@ -594,7 +606,10 @@ def main() -> None:
 
     defaults = SMOKE_RUNS if args.smoke else GPU_RUNS
     pairs_ = args.pairs or list(dict.fromkeys(pair for pair, _ in defaults))
-    if args.runs:  # every given run on every pair, pair by pair
+    if args.plan:  # each run on its own pair, in the order given
+        plan = list(args.plan)
+        pairs_ = list(dict.fromkeys(pair for pair, _ in plan))
+    elif args.runs:  # every given run on every pair, pair by pair
         plan = [(pair, run) for pair in pairs_ for run in args.runs]
     else:  # the default list's entries for these pairs
         plan = [(pair, parse_run(run)) for pair, run in defaults if pair in pairs_]

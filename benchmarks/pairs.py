@@ -66,6 +66,14 @@ PAIRS: dict[str, Pair] = {
         qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
         "Qwen2-72B-shaped teacher, Qwen2-0.5B-shaped student",
     ),
+    # The largest teacher that fits one H200 in bf16 beside the student, for either framework (bench_peers.py):
+    # Qwen2.5-32B's shape (32.8B parameters, 61 GiB in bf16), its vocabulary cut to the student's 151,936 ids as the
+    # 7B pair's is (TRL's losses take one vocabulary for both models).
+    "qwen2-32b-0.5b": Pair(
+        qwen2(5120, 27648, 64, 40, 8, QWEN2_VOCAB, tied=False),
+        qwen2(896, 4864, 24, 14, 2, QWEN2_VOCAB, tied=True),
+        "Qwen2.5-32B-shaped teacher, Qwen2-0.5B-shaped student",
+    ),
     # Qwen2-1.5B teacher for a quicker look at the same student.
     "qwen2-1.5b-0.5b": Pair(
         qwen2(1536, 8960, 28, 12, 2, QWEN2_VOCAB, tied=True),

@@ -53,7 +53,7 @@ def test_trl_side_reports_our_loss(tmp_path):
 
 def test_run_names():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_peers import GPU_RUNS, SMOKE_RUNS, parse_run
+    from bench_peers import GPU_RUNS, SMOKE_RUNS, parse_planned, parse_run
 
     for _, text in GPU_RUNS + SMOKE_RUNS:  # the default launches' runs are all well formed
         parse_run(text)
@@ -65,3 +65,8 @@ def test_run_names():
     for bad in ("ours", "trl@8", "ours@8+z2", "distill@8+rkl+jsd", "gkd@8+fast"):
         with pytest.raises(Exception, match="bad run"):
             parse_run(bad)
+    pair, run = parse_planned("qwen2-32b-0.5b:distill@8+on")  # --plan: a run on its own pair
+    assert pair == "qwen2-32b-0.5b" and run.label(8) == "distill@8+on"
+    for bad in ("ours@8", ":ours@8"):
+        with pytest.raises(Exception, match="bad plan entry"):
+            parse_planned(bad)
