@@ -13,6 +13,15 @@ runs); ``bf16`` and ``fp8`` run student and teacher in bf16, the teacher's linea
 
 Each cell's log and report stay under ``<out>/<column>/<recipe>_<seed>/``; the merged tables go to
 ``<out>/grid.json`` (rewritten as cells finish) and are printed. A failed cell is reported, not fatal.
+
+Every other option is a run config override passed to each cell. With ``--eval.harness.tasks
+'[distill_kit_arithmetic]'`` each cell also scores its student (the teacher cell: the teacher) with
+lm-evaluation-harness on its seed's held-out prompts, the checker's, and each row carries ``harness_exact_match``
+over the seeds beside the checker's ``exact_match`` (per example: each cell's ``seed_<S>/answers/<recipe>.jsonl``
+and ``seed_<S>/harness/<recipe>/samples_distill_kit_arithmetic.jsonl``)::
+
+    python benchmarks/task_grid.py --out runs/grid_harness --jobs 9 \\
+        --recipes teacher sft seq_kd on_policy_forward_kl --eval.harness.tasks '[distill_kit_arithmetic]'
 """
 
 from __future__ import annotations
@@ -86,13 +95,14 @@ def run_cell(cell: tuple[str, str, int], args: argparse.Namespace) -> dict | Non
 
 
 def merge(grid: list[tuple[str, str, int]], reports: dict, verbose: bool = False) -> dict:
-    """Per column and recipe: ``compare.aggregate`` over the seeds whose cell finished (``seeds`` says which);
-    the gap closed where the column has SFT and teacher rows at the same seeds."""
+    """Per column and recipe: ``compare.aggregate`` of the cells' own seed tables (each cell's ``per_seed``: one
+    seed) over the seeds whose cell finished (``seeds`` says which), harness columns included; the gap closed where
+    the column has SFT and teacher rows at the same seeds."""
     merged = {}
     for column in dict.fromkeys(c for c, _, _ in grid):
         rows = []
         for recipe in dict.fromkeys(r for c, r, _ in grid if c == column):
-            done = [{"seed": s, "rows": reports[c, r, s]["rows"]} for c, r, s in grid
+            done = [reports[c, r, s]["per_seed"][0] for c, r, s in grid
                     if (c, r) == (column, recipe) and reports.get((c, r, s))]
             if done:
                 rows.append(compare.aggregate(done)["rows"][0] | {"seeds": [d["seed"] for d in done]})

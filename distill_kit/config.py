@@ -374,7 +374,8 @@ class HarnessConfig:
     examples: int = 500
     """Held-out prompts written for each of the project's tasks (limit takes the first of them)."""
     seed: int = 0
-    """Seed of those prompts: the task's held-out stream at this seed (the task benchmark's at the same seed)."""
+    """Seed of those prompts: the task's held-out stream at this seed (the task benchmark's at the same seed). In a
+    task benchmark run, each seed's task.heldout prompts instead (the checker's): leave seed, examples and limit."""
 
     def __post_init__(self) -> None:
         for key, value, low in (("limit", self.limit, 1), ("num_fewshot", self.num_fewshot, 0),

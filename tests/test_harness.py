@@ -1,6 +1,8 @@
 """lm-evaluation-harness on a run folder (``distill_kit/tasks/harness``): the hook scores an exported student and the
 teacher into report.json, the harness's arithmetic exact match is the project's own checker example by example, and
-every bad input is refused before any work. One harness evaluation (24 prompts, two models) serves the module."""
+every bad input is refused before any work. One harness evaluation (24 prompts, two models) serves the module; a
+tiny task benchmark (two seeds) checks the harness's column against the checker's, seed by seed and example by
+example."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT
+from launch import ROOT, run_ranks
+from test_cli import _main_error
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.config import HarnessConfig
@@ -21,6 +24,7 @@ from distill_kit.tasks import arithmetic, harness
 from distill_kit.tasks.evaluate import exact_match, generate_answers
 
 TEACHER = ROOT / "distill_kit/assets/arithmetic/teacher"
+SCRIPT = ROOT / "scripts/distill.py"
 PROMPTS = 24
 ARITHMETIC = HarnessConfig(tasks=("distill_kit_arithmetic",), limit=PROMPTS, batch_size=8, examples=PROMPTS)
 
@@ -145,3 +149,65 @@ def test_offline_sets_and_restores_the_hubs_flags(monkeypatch):
         assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
         assert hub.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
     assert (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before and "HF_HUB_OFFLINE" not in os.environ
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_task_benchmark_scores_each_seeds_models_with_the_harness_on_the_checkers_prompts(tmp_path):
+    """eval.harness in a task benchmark: at each seed the harness scores that seed's saved students and the teacher
+    on the seed's own held-out prompts (task.heldout of them), and its exact match is the checker's, per seed and
+    per example, answer text included; the column goes over the seeds like the checker's (mean, range, each seed),
+    into report.json and the printed table. Another harness task (sorting, in an arithmetic benchmark) is a column
+    of its own. The student is the noisy teacher, barely trained (one step, warm-up learning rate), so that its
+    answers are right on about half the prompts at each seed."""
+    out = tmp_path / "run"
+    args = ["--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(out),
+            "--students", f"[{{name: student, model: {noisy_student(tmp_path / 'noisy')}}}]",
+            "--training.max_steps", "1", "--training.micro_batch_size", "4", "--task.labelled", "4",
+            "--task.prompts", "4", "--task.heldout", "16", "--task.recipes", "[teacher, sft]", "--task.seeds", "[0, 1]",
+            "--eval.harness.tasks", "[distill_kit_arithmetic, distill_kit_sorting]", "--eval.harness.batch_size", "16"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the CLI tests' processes run (OMP_NUM_THREADS=1): tiny models, many small ops
+    try:
+        done = run_ranks(SCRIPT, args, nprocs=0)
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads((out / "report.json").read_text())
+    both = 0
+    for entry in saved["per_seed"]:
+        seed, folder = entry["seed"], out / f"seed_{entry['seed']}"
+        prompts = [item.prompt for item in arithmetic.examples(arithmetic.split_seeds(seed)["heldout"], 16)]
+        assert [r["prompt"] for r in _jsonl(folder / "harness/data/distill_kit_arithmetic.test.jsonl")] == prompts
+        assert entry["harness"]["settings"]["seed"] == seed and list(entry["harness"]["models"]) == ["teacher", "sft"]
+        for row in entry["rows"]:
+            ours = _jsonl(folder / "answers" / f"{row['recipe']}.jsonl")
+            theirs = sorted(_jsonl(folder / "harness" / row["recipe"] / "samples_distill_kit_arithmetic.jsonl"),
+                            key=lambda sample: sample["doc_id"])
+            assert [r["prompt"] for r in ours] == prompts
+            assert [r["exact_match"] == 1.0 for r in theirs] == [r["exact_match"] for r in ours]
+            assert [r["response"] for r in theirs] == [r["response"] for r in ours]
+            assert row["harness_exact_match"] == pytest.approx(row["exact_match"])
+            assert "harness_distill_kit_sorting_exact_match" in row
+            both += 0 < row["exact_match"] < 1
+    assert both >= 1  # a row with right and wrong answers: both outcomes compared
+    for row in saved["rows"]:
+        assert row["harness_exact_match_per_seed"] == pytest.approx(row["exact_match_per_seed"])
+        assert row["harness_exact_match"] == pytest.approx(row["exact_match"])
+        assert (row["harness_exact_match_min"], row["harness_exact_match_max"]) == pytest.approx(
+            (row["exact_match_min"], row["exact_match_max"]))
+    assert "harness" in done.stdout and "distill_kit_sorting_exact_match" in done.stdout
+
+
+def test_a_bad_harness_setting_in_a_task_benchmark_is_refused_before_any_write(tmp_path, monkeypatch):
+    run = ["--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(tmp_path / "run"),
+           "--task.seeds", "[0]"]
+    message = _main_error(*run, "--eval.harness.tasks", "[distill_kit_arithmetik]")
+    assert "unknown task 'distill_kit_arithmetik' (did you mean 'distill_kit_arithmetic'?)" in message
+    message = _main_error(*run, "--eval.harness.tasks", "[distill_kit_arithmetic]", "--eval.harness.limit", "100")
+    assert "eval.harness.limit: in a task benchmark the harness scores each seed's held-out prompts" in message
+    assert "drop eval.harness.limit, or set task.heldout" in message
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert "pip install 'distill-kit[eval]'" in _main_error(*run, "--eval.harness.tasks", "[distill_kit_arithmetic]")
+    assert not (tmp_path / "run").exists()

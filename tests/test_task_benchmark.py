@@ -73,7 +73,7 @@ def test_seeds_aggregate_to_mean_range_and_each_value():
             {"recipe": "teacher", "exact_match": 1.0, "answer_kl": 0.0, "train_seconds": 0.0},
             {"recipe": "sft", "exact_match": sft, "answer_kl": 0.5, "train_seconds": 10.0},
             {"recipe": "seq_kd", "exact_match": seq_kd, "answer_kl": 0.1 * (number + 1),
-             "train_seconds": 20.0 + number},
+             "train_seconds": 20.0 + number, "harness_exact_match": seq_kd},
         ])["rows"]}
 
     summary = aggregate([seed(0, 0.0, 0.5), seed(4, 0.2, 1.0), seed(7, 0.1, 0.3)])
@@ -91,6 +91,10 @@ def test_seeds_aggregate_to_mean_range_and_each_value():
     printed = format_table(summary["rows"], summary["seeds"])
     assert "30.0%-100.0%" in printed and "50.0% 100.0% 30.0%" in printed and "seeds 0,4,7" in printed
     assert "range" not in format_table(aggregate([seed(0, 0.0, 0.5)])["rows"], [0])  # one seed: the plain table
+    # a harness column: over the seeds like the checker's; a row the harness did not score prints '-'
+    assert seq_kd["harness_exact_match_per_seed"] == [0.5, 1.0, 0.3] and "harness_exact_match" not in teacher
+    lines = printed.splitlines()
+    assert "harness" in lines[0] and "60.0%  50.0% 100.0% 30.0%" in lines[3] and " - " in lines[1]
 
 
 def test_bad_on_policy_settings_are_named():
@@ -171,7 +175,7 @@ def test_sampling_without_an_end_token_is_refused():
 def test_the_task_grid_runs_each_cell_and_merges_them_per_column(tmp_path):
     """benchmarks/task_grid.py: each (column, recipe, seed) cell is its own CLI run (two here, side by side), and
     grid.json holds per column each recipe's mean over the seeds that finished (``merge``, below on made-up cells),
-    with the gap closed where SFT and teacher rows are both there."""
+    harness columns included, with the gap closed where SFT and teacher rows are both there."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import task_grid
 
@@ -185,11 +189,14 @@ def test_the_task_grid_runs_each_cell_and_merges_them_per_column(tmp_path):
     rows = {row["recipe"]: row for row in grid["columns"]["fp32"]["rows"]}
     assert rows["teacher"]["exact_match"] == 1.0 and rows["sft"]["gap_closed"] == 0.0
 
-    def cell(value: float) -> dict:
-        return {"rows": [{"recipe": "x", "exact_match": value, "answer_kl": 0.0, "train_seconds": 1.0}]}
+    def cell(seed: int, value: float) -> dict:  # a cell's report.json: its own seed's table under per_seed
+        return {"per_seed": [{"seed": seed, "rows": [{"recipe": "x", "exact_match": value, "answer_kl": 0.0,
+                                                      "train_seconds": 1.0, "harness_exact_match": value}]}]}
 
     cells = [("fp8", "sft", 0), ("fp8", "sft", 1), ("fp8", "sft", 2)]
-    merged = task_grid.merge(cells, {cells[0]: cell(0.2), cells[1]: None, cells[2]: cell(0.4)})
+    merged = task_grid.merge(cells, {cells[0]: cell(0, 0.2), cells[1]: None, cells[2]: cell(2, 0.4)})
     (row,) = merged["fp8"]["rows"]  # seed 1's cell failed: the mean is over the two that finished
     assert row["seeds"] == [0, 2] and row["exact_match_per_seed"] == [0.2, 0.4]
     assert row["exact_match"] == pytest.approx(0.3) and (row["exact_match_min"], row["exact_match_max"]) == (0.2, 0.4)
+    assert row["harness_exact_match_per_seed"] == [0.2, 0.4]  # the harness's column, merged alike
+    assert row["harness_exact_match"] == pytest.approx(0.3)

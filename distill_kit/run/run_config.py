@@ -25,6 +25,7 @@ from distill_kit.config import (
     DeepSpeedSettings,
     EvalConfig,
     FromTeacherConfig,
+    HarnessConfig,
     StudentSpec,
     TaskConfig,
     TeacherSpec,
@@ -133,6 +134,12 @@ class RunConfig:
             raise ConfigError(f"training.seed: {self.training.seed} is not used by the task benchmark, which runs "
                               f"every recipe at each of task.seeds {list(self.task.seeds)}; give "
                               f"--task.seeds '[{self.training.seed}]' instead")
+        drawn = [f"eval.harness.{key}" for key in ("seed", "examples", "limit")
+                 if getattr(self.eval.harness, key) != getattr(HarnessConfig, key)]
+        if self.task.name is not None and self.eval.harness.tasks and drawn:  # the seed's own prompts, all of them
+            raise ConfigError(f"{', '.join(drawn)}: in a task benchmark the harness scores each seed's held-out "
+                              "prompts, the checker's (task.heldout of them, drawn at each of task.seeds); drop "
+                              f"{' and '.join(drawn)}, or set task.heldout for fewer prompts")
         warmed = [r for r in self.task.recipes if r.startswith("on_policy_")]  # these start with warm_start_steps
         if self.task.name is not None and warmed and self.task.warm_start_steps >= self.training.max_steps:
             raise ConfigError(f"task.warm_start_steps: {self.task.warm_start_steps} SFT steps of training.max_steps "

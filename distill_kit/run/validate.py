@@ -428,8 +428,10 @@ def check_not_in_use(start: Start) -> list[str]:
     return [] if busy is None else [busy]
 
 
-TASK_CHECKS: list[Check] = [check_not_in_use, check_plan, check_models, check_student_tokenizers, check_students]
-"""A task benchmark's (``task.name``): it writes its own data and report, so only the models and the plan."""
+TASK_CHECKS: list[Check] = [check_not_in_use, check_plan, check_models, check_student_tokenizers, check_students,
+                            check_harness]
+"""A task benchmark's (``task.name``): it writes its own data and report, so only the models, the plan and the
+harness that scores each seed's students (``eval.harness``)."""
 
 
 def validate(config: RunConfig, resume: bool, identity: dict[str, Any], data: DataFacts,

@@ -20,6 +20,10 @@ SFT-to-teacher accuracy gap each recipe closes and its wall time (warm start inc
 once per seed of ``task.seeds`` (as ``training.seed``: the data drawn, the initial student, the batch order and
 the sampling); the table gives each recipe's mean over the seeds, its range and every seed's value, because one
 draw past the task's learning transition says little (docs/tasks.md).
+
+With ``eval.harness.tasks`` (e.g. ``[distill_kit_arithmetic]``), lm-evaluation-harness also scores each seed's
+students (and the teacher row's teacher) on that seed's held-out prompts, the checker's, and each row gets the
+harness's metrics beside the checker's (``harness_exact_match``; :func:`score_with_harness`), over the seeds alike.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError
 from distill_kit.run import run_config
 from distill_kit.run.run_config import RunConfig, to_dict
-from distill_kit.tasks import arithmetic
-from distill_kit.tasks.evaluate import exact_match
+from distill_kit.tasks import arithmetic, harness
+from distill_kit.tasks.evaluate import accuracy, checked_answers
 from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
 from distill_kit.training.plan import DataFacts
@@ -108,8 +112,10 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
         started = time.perf_counter()
         seeded = dataclasses.replace(config, output_dir=str(out / f"seed_{seed}"),
                                      training=dataclasses.replace(config.training, seed=seed))
-        rows = table(run_seed(seeded, prepare_student, tokenizer))["rows"]
-        per_seed.append({"seed": seed, "rows": rows, "seconds": time.perf_counter() - started})
+        rows = run_seed(seeded, prepare_student, tokenizer)
+        scores = score_with_harness(seeded, rows)
+        per_seed.append({"seed": seed, "rows": table(rows)["rows"], "seconds": time.perf_counter() - started}
+                        | ({"harness": scores} if scores is not None else {}))
         logger.info("seed %d done in %.0fs", seed, per_seed[-1]["seconds"])
     summary = aggregate(per_seed)
     summary["seconds"] = time.perf_counter() - began  # the whole comparison: data, every recipe, evaluation
@@ -179,10 +185,17 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
             student.train(was_training)
         return figures["student"]["mean_kl"]
 
+    def check(name: str, model: torch.nn.Module) -> float:
+        """The checker's exact match on the held-out prompts; each answer and verdict go to ``answers/<name>.jsonl``
+        (``doc_id`` as in the harness's samples, for comparing them example by example)."""
+        checked = checked_answers(model, tokenizer, heldout, task.max_new_tokens)
+        (out / "answers").mkdir(parents=True, exist_ok=True)
+        (out / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in checked))
+        return accuracy(checked)
+
     def score(name: str, distiller: Distiller, seconds: float) -> dict[str, Any]:
         started = time.perf_counter()
-        row = {"recipe": name,
-               "exact_match": exact_match(distiller.student_model, tokenizer, heldout, task.max_new_tokens),
+        row = {"recipe": name, "exact_match": check(name, distiller.student_model),
                "answer_kl": answer_kl(name, distiller), "train_seconds": seconds}
         logger.info("%s: %s (evaluated in %.1fs)", name, row, time.perf_counter() - started)
         return row
@@ -206,8 +219,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         if name == "teacher":
             started = time.perf_counter()
             teacher = AutoModelForCausalLM.from_pretrained(config.teacher)
-            accuracy = exact_match(teacher, tokenizer, heldout, task.max_new_tokens)
-            rows.append({"recipe": "teacher", "exact_match": accuracy,
+            rows.append({"recipe": "teacher", "exact_match": check("teacher", teacher),
                          "answer_kl": 0.0, "train_seconds": 0.0, "eval_seconds": time.perf_counter() - started})
             continue
         loss, batches, sampler, warm_steps = recipes[name]()
@@ -232,6 +244,34 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
     return rows
 
 
+def score_with_harness(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``eval.harness`` on one seed's folder (``config.output_dir``): each saved student, and the teacher when the
+    teacher row ran and ``eval.harness.teacher`` is on, on the held-out prompts drawn at ``training.seed``,
+    ``task.heldout`` of them: the checker's. Each row gets the harness's metrics (:func:`harness_column`); returns
+    the harness's scores (report.json's ``per_seed[i].harness``), None when there is nothing to score."""
+    settings, task = config.eval.harness, config.task
+    teacher = settings.teacher and "teacher" in task.recipes
+    if not settings.tasks or not (teacher or any(name != "teacher" for name in task.recipes)):
+        return None
+    seeded = dataclasses.replace(settings, seed=config.training.seed, examples=task.heldout)
+    scores = harness.evaluate_run(config.output_dir, seeded, teacher=teacher, run_config=to_dict(config))
+    values = harness.summarize(scores)["models"]  # {model: {"<task> <metric>": value}}; the teacher is "teacher"
+    for row in rows:
+        row |= {harness_column(task.name, key): value for key, value in values.get(row["recipe"], {}).items()}
+    return scores
+
+
+HARNESS = "harness_"
+"""What a row's harness columns begin with."""
+
+
+def harness_column(task: str | None, key: str) -> str:
+    """A row's key for a harness metric (``harness.summarize``'s ``"<task> <metric>"``): ``harness_exact_match``
+    for the benchmark's own task's exact match (the checker's prompts and checker, through the harness),
+    ``harness_<task>_<metric>`` for any other."""
+    return f"{HARNESS}exact_match" if key == f"distill_kit_{task} exact_match" else HARNESS + key.replace(" ", "_")
+
+
 def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rows with the share of the SFT-to-teacher accuracy gap each closes (when both were run)."""
     accuracy = {row["recipe"]: row["exact_match"] for row in rows}
@@ -252,9 +292,9 @@ def over_seeds(name: str, values: list[float]) -> dict[str, Any]:
 
 def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     """Each recipe over the seeds: its mean exact match, the range (``exact_match_min``/``_max``) and every seed's
-    value (``exact_match_per_seed``, in the order of ``seeds``); mean answer KL and train seconds; the gap closed
-    from the mean accuracies (:func:`table`), with each seed's own gap closed beside it. ``per_seed`` keeps each
-    seed's table as run."""
+    value (``exact_match_per_seed``, in the order of ``seeds``), and so each harness column every seed has
+    (``harness_exact_match``...); mean answer KL and train seconds; the gap closed from the mean accuracies
+    (:func:`table`), with each seed's own gap closed beside it. ``per_seed`` keeps each seed's table as run."""
     seeds = [entry["seed"] for entry in per_seed]
     names = [row["recipe"] for row in per_seed[0]["rows"]]
     rows = []
@@ -263,6 +303,8 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
         row = {"recipe": name, **over_seeds("exact_match", [r["exact_match"] for r in found]),
                "answer_kl": sum(r["answer_kl"] for r in found) / len(found),
                "train_seconds": sum(r["train_seconds"] for r in found) / len(found)}
+        for key in [k for k in found[0] if k.startswith(HARNESS) and all(k in r for r in found)]:
+            row |= over_seeds(key, [r[key] for r in found])
         if all("gap_closed" in r for r in found):
             row["gap_closed_per_seed"] = [r["gap_closed"] for r in found]
         rows.append(row)
@@ -271,18 +313,35 @@ def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]], seeds: list[int] | None = None) -> str:
-    """The printed table: mean exact match over the seeds, its range and each seed's value when there are several."""
+    """The printed table: mean exact match over the seeds, its range and each seed's value when there are several;
+    then each harness column (``harness`` for ``harness_exact_match``), its mean and each seed's value."""
     several = seeds is not None and len(seeds) > 1
     head = f"{'recipe':<22}{'exact match':>12}"
     if several:
         head += f"{'range':>15}  {'seeds ' + ','.join(map(str, seeds)):<24}"
+    columns = list(dict.fromkeys(k for row in rows for k in row if k.startswith(HARNESS) and f"{k}_per_seed" in row))
+    cells = {key: [_harness_cell(row, key, several) for row in rows] for key in columns}
+    labels = {key: "harness" if key == f"{HARNESS}exact_match" else key.removeprefix(HARNESS) for key in columns}
+    widths = {key: max(len(labels[key]), *map(len, cells[key])) + 2 for key in columns}
+    head += "".join(f"{labels[key]:>{widths[key]}}" for key in columns)
     lines = [head + f"{'gap closed':>12}{'answer KL':>11}{'seconds':>9}"]
-    for row in rows:
+    for i, row in enumerate(rows):
         gap = f"{row['gap_closed']:.0%}" if "gap_closed" in row else "-"
         line = f"{row['recipe']:<22}{row['exact_match']:>12.1%}"
         if several:
             spread = f"{row['exact_match_min']:.1%}-{row['exact_match_max']:.1%}"
             values = " ".join(f"{v:.1%}" for v in row["exact_match_per_seed"])
             line += f"{spread:>15}  {values:<24}"
+        line += "".join(f"{cells[key][i]:>{widths[key]}}" for key in columns)
         lines.append(line + f"{gap:>12}{row['answer_kl']:>11.4f}{row['train_seconds']:>9.0f}")
     return "\n".join(lines)
+
+
+def _harness_cell(row: dict[str, Any], key: str, several: bool) -> str:
+    """One harness column's mean, then each seed's value when there are several; '-' for a row the harness did not
+    score (the teacher row with eval.harness.teacher off)."""
+    if key not in row:
+        return "-"
+    shown = ".1%" if "exact_match" in key or "acc" in key else ".4g"  # shares as percentages, as the checker's
+    values = [row[key], *(row[f"{key}_per_seed"] if several else [])]
+    return (f"{values[0]:{shown}}" + ("  " + " ".join(f"{v:{shown}}" for v in values[1:]) if several else ""))

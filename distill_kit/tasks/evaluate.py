@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,13 +36,26 @@ def generate_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Exa
     return answers
 
 
+def checked_answers(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32,
+                    check: Callable[[str, str], bool] = arithmetic.check) -> list[dict[str, Any]]:
+    """Each prompt's greedy answer and the task checker's verdict on it (``check(prompt, answer)``), in the items'
+    order: ``{"doc_id", "prompt", "response", "exact_match"}``, as the harness's samples name them
+    (``tasks/harness``)."""
+    answers = generate_answers(model, tokenizer, items, max_new_tokens)
+    return [{"doc_id": i, "prompt": item.prompt, "response": answer, "exact_match": check(item.prompt, answer)}
+            for i, (item, answer) in enumerate(zip(items, answers, strict=True))]
+
+
+def accuracy(checked: Sequence[dict[str, Any]]) -> float:
+    """The ``exact_match`` metric of :func:`checked_answers`' verdicts: the share the checker accepts."""
+    from distill_kit.training.evaluation import load_metric
+
+    return load_metric("exact_match").compute(predictions=[row["exact_match"] for row in checked],
+                                              references=[True] * len(checked))["exact_match"]
+
+
 def exact_match(model: nn.Module, tokenizer, items: Sequence[arithmetic.Example], max_new_tokens: int = 32,
                 check: Callable[[str, str], bool] = arithmetic.check) -> float:
     """Share of prompts whose greedy answer the task's checker accepts (``check(prompt, answer)``; items of another
     task, e.g. ``sorting``, with its ``check``)."""
-    from distill_kit.training.evaluation import load_metric
-
-    answers = generate_answers(model, tokenizer, items, max_new_tokens)
-    metric = load_metric("exact_match")
-    return metric.compute(predictions=[check(i.prompt, a) for i, a in zip(items, answers, strict=True)],
-                          references=[True] * len(items))["exact_match"]
+    return accuracy(checked_answers(model, tokenizer, items, max_new_tokens, check))

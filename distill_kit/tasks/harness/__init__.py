@@ -75,13 +75,13 @@ def check(config: HarnessConfig) -> None:
                               f"{', '.join(PROJECT_TASKS)} or a task of lm-eval ('lm_eval ls tasks' lists them)")
 
 
-def models(run_dir: str | Path, teacher: bool = True) -> list[Model]:
+def models(run_dir: str | Path, teacher: bool = True, run_config: dict[str, Any] | None = None) -> list[Model]:
     """The run's exported students (``students/<name>``; a task benchmark's ``seed_<S>/students/<recipe>``) and, with
     ``teacher``, its teachers that are model folders, each checked safe to load; a ConfigError names what is
-    missing."""
+    missing. ``run_config`` (the run config as a dict) instead of the folder's report.json: a task benchmark's seed
+    folder while it runs, where a seed of the teacher row alone has no student."""
     run_dir = Path(run_dir)
-    report = _report(run_dir)
-    config = report.get("config", {})
+    config = run_config if run_config is not None else _report(run_dir).get("config", {})
     tokenizer = config.get("tokenizer") or (config.get("teacher") if isinstance(config.get("teacher"), str) else None)
     folders = sorted(run_dir.glob("students/*")) + sorted(run_dir.glob("seed_*/students/*"))
     found = []
@@ -89,7 +89,7 @@ def models(run_dir: str | Path, teacher: bool = True) -> list[Model]:
         name = str(folder.relative_to(run_dir)).replace("students/", "").replace(os.sep, "/")
         own = (folder / "tokenizer_config.json").is_file()  # the task benchmark saves its students without one
         found.append(_student(name, folder, None if own else tokenizer))
-    if not found:
+    if not found and run_config is None:
         raise ConfigError(f"{run_dir} holds no exported student (no students/<name> folder): the harness scores a "
                           "finished run's exported students; finish the run (--resume) or give its output_dir")
     if teacher:
@@ -154,16 +154,18 @@ def _check_folder(model: Model) -> None:
 
 # ---- the evaluation ------------------------------------------------------------------------------------------------
 
-def evaluate_run(run_dir: str | Path, config: HarnessConfig, teacher: bool | None = None) -> dict[str, Any] | None:
+def evaluate_run(run_dir: str | Path, config: HarnessConfig, teacher: bool | None = None,
+                 run_config: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Score every exported student of ``run_dir`` (and its teacher unless ``teacher`` or ``config.teacher`` says
     not) on ``config.tasks``; returns the scores :func:`add_to_report` writes, and writes each model's harness
     results and per-example answers to ``<run_dir>/harness/<model>/``. Every bad input is refused before any work.
+    ``run_config``: see :func:`models` (the task benchmark scores each seed's folder with that seed's ``config``).
 
     In a distributed run call it on every rank (the harness spreads a model's prompts over them through accelerate);
     the scores come back on the main rank, None on the others."""
     check(config)
     run_dir = Path(run_dir)
-    found = models(run_dir, config.teacher if teacher is None else teacher)
+    found = models(run_dir, config.teacher if teacher is None else teacher, run_config)
     import lm_eval
 
     from distill_kit.engines import distributed
