@@ -4,6 +4,11 @@ the run's report.json and its table. The settings are the run's own eval.harness
     python scripts/evaluate_run.py runs/arith --tasks distill_kit_arithmetic,distill_kit_sorting --limit 100
     python scripts/evaluate_run.py runs/qwen-small --tasks gsm8k --offline false    # the harness's own tasks (network)
     python scripts/evaluate_run.py runs/qwen-small --teacher false                  # students only
+    python scripts/evaluate_run.py runs/arith_bench --tasks distill_kit_arithmetic   # a task benchmark's folder
+
+A task benchmark's folder (configs/arithmetic.yaml) is scored seed by seed, each seed's students on that seed's
+held-out prompts (the task checker's), as a run with eval.harness.tasks would have; its table gains the harness's
+columns beside the checker's.
 
 Keys (as in the run config's eval.harness): tasks, num_fewshot, limit, batch_size, teacher, apply_chat_template,
 offline, examples, seed. Needs lm-eval: pip install 'distill-kit[eval]'. docs/run.md#lm-evaluation-harness.
@@ -19,7 +24,7 @@ from pathlib import Path
 from distill_kit.config import HarnessConfig, build
 from distill_kit.errors import ConfigError
 from distill_kit.run import report
-from distill_kit.tasks import harness
+from distill_kit.tasks import compare, harness
 
 
 def settings(run_dir: Path, args: Sequence[str]) -> HarnessConfig:
@@ -47,6 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(args[0])
     try:
         config = settings(run_dir, args[1:])
+        if compare.is_task_report(run_dir):  # each seed's students on that seed's prompts, as the run scores them
+            summary = compare.rescore_with_harness(run_dir, config)
+            print(compare.format_table(summary["rows"], summary["seeds"]))
+            print(f"report: {run_dir / 'report.json'}; each seed's harness answers: {run_dir}/seed_<S>/harness")
+            return 0
         scores = harness.evaluate_run(run_dir, config)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None

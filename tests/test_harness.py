@@ -199,6 +199,37 @@ def test_a_task_benchmark_scores_each_seeds_models_with_the_harness_on_the_check
             (row["exact_match_min"], row["exact_match_max"]))
     assert "harness" in done.stdout and "distill_kit_sorting_exact_match" in done.stdout
 
+    # scripts/evaluate_run.py on the finished folder scores it the same way, seed by seed: a setting the task run
+    # refuses is refused before any write; rescoring with arithmetic alone replaces the harness columns
+    evaluate_run = _script("evaluate_run")
+    before = (out / "report.json").read_text()
+    with pytest.raises(SystemExit, match="eval.harness.limit"):
+        evaluate_run.main([str(out), "--tasks", "distill_kit_arithmetic", "--limit", "4"])
+    assert (out / "report.json").read_text() == before
+    torch.set_num_threads(1)
+    try:
+        assert evaluate_run.main([str(out), "--tasks", "distill_kit_arithmetic"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rescored = json.loads((out / "report.json").read_text())
+    for entry in rescored["per_seed"]:
+        prompts = [item.prompt for item in arithmetic.examples(arithmetic.split_seeds(entry["seed"])["heldout"], 16)]
+        data = out / f"seed_{entry['seed']}" / "harness/data/distill_kit_arithmetic.test.jsonl"
+        assert [r["prompt"] for r in _jsonl(data)] == prompts  # the seed's own prompts, not one seed's for all
+    for row, first in zip(rescored["rows"], saved["rows"], strict=True):
+        assert row["harness_exact_match_per_seed"] == pytest.approx(first["harness_exact_match_per_seed"])
+        assert not any("sorting" in key for key in row)
+
+
+def _script(name: str):
+    """A script of scripts/ as a module (its ``main``), without putting scripts/ on the path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def test_a_bad_harness_setting_in_a_task_benchmark_is_refused_before_any_write(tmp_path, monkeypatch):
     run = ["--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(tmp_path / "run"),

@@ -40,7 +40,7 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill_kit.config import StudentSpec, TeacherSpec
+from distill_kit.config import HarnessConfig, StudentSpec, TeacherSpec, build
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.data.privileged import PrivilegedTemplate
@@ -263,6 +263,32 @@ def score_with_harness(config: RunConfig, rows: list[dict[str, Any]]) -> dict[st
 
 HARNESS = "harness_"
 """What a row's harness columns begin with."""
+
+
+def is_task_report(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a finished task benchmark (its report.json has the per-seed tables)."""
+    path = Path(run_dir) / "report.json"
+    return path.is_file() and "per_seed" in json.loads(path.read_text())
+
+
+def rescore_with_harness(run_dir: str | Path, settings: HarnessConfig) -> dict[str, Any]:
+    """``settings`` on a finished task benchmark (``scripts/evaluate_run.py``): each seed's saved students, on that
+    seed's held-out prompts as the run itself would have scored them (:func:`score_with_harness`), the rows'
+    harness columns replaced, report.json rewritten; returns its new summary. Settings a task run refuses
+    (``seed``, ``examples``, ``limit``) are refused here by the same check, before any work."""
+    run_dir = Path(run_dir)
+    report = json.loads((run_dir / "report.json").read_text())
+    saved = build(RunConfig, report["config"])
+    config = dataclasses.replace(saved, eval=dataclasses.replace(saved.eval, harness=settings))
+    harness.check(settings)
+    for entry in report["per_seed"]:
+        seeded = dataclasses.replace(config, output_dir=str(run_dir / f"seed_{entry['seed']}"),
+                                     training=dataclasses.replace(config.training, seed=entry["seed"]))
+        entry["rows"] = [{k: v for k, v in row.items() if not k.startswith(HARNESS)} for row in entry["rows"]]
+        entry["harness"] = score_with_harness(seeded, entry["rows"])
+    summary = aggregate(report["per_seed"]) | {k: report[k] for k in ("seconds", "config") if k in report}
+    (run_dir / "report.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def harness_column(task: str | None, key: str) -> str:
