@@ -58,32 +58,20 @@ class Pair:
 
 PAIRS: dict[str, Pair] = {
     # Qwen2-7B and Qwen2-0.5B shapes (both cut to the tokenizer's 151,936 ids): 7.6B and 0.49B parameters.
-    "qwen2-7b-0.5b": Pair(
-        qwen2(3584, 18944, 28, 28, 4, QWEN2_VOCAB, tied=False),
-        QWEN2_05B,
-        "Qwen2-7B-shaped teacher, Qwen2-0.5B-shaped student",
-    ),
+    "qwen2-7b-0.5b": Pair(qwen2(3584, 18944, 28, 28, 4, QWEN2_VOCAB, tied=False), QWEN2_05B,
+                         "Qwen2-7B-shaped teacher, Qwen2-0.5B-shaped student"),
     # A teacher no single GPU holds with the student: Qwen2-72B's shape (72.7B parameters, 135 GiB in bf16),
     # its vocabulary padded to 152,064 as the real one is (the losses cut it to the student's 151,936).
-    "qwen2-72b-0.5b": Pair(
-        qwen2(8192, 29568, 80, 64, 8, QWEN2_72B_VOCAB, tied=False),
-        QWEN2_05B,
-        "Qwen2-72B-shaped teacher, Qwen2-0.5B-shaped student",
-    ),
+    "qwen2-72b-0.5b": Pair(qwen2(8192, 29568, 80, 64, 8, QWEN2_72B_VOCAB, tied=False), QWEN2_05B,
+                          "Qwen2-72B-shaped teacher, Qwen2-0.5B-shaped student"),
     # The largest teacher that fits one H200 in bf16 beside the student, for either framework (bench_peers.py):
     # Qwen2.5-32B's shape (32.8B parameters, 61 GiB in bf16), its vocabulary cut to the student's 151,936 ids as the
     # 7B pair's is (TRL's losses take one vocabulary for both models).
-    "qwen2-32b-0.5b": Pair(
-        qwen2(5120, 27648, 64, 40, 8, QWEN2_VOCAB, tied=False),
-        QWEN2_05B,
-        "Qwen2.5-32B-shaped teacher, Qwen2-0.5B-shaped student",
-    ),
+    "qwen2-32b-0.5b": Pair(qwen2(5120, 27648, 64, 40, 8, QWEN2_VOCAB, tied=False), QWEN2_05B,
+                          "Qwen2.5-32B-shaped teacher, Qwen2-0.5B-shaped student"),
     # Qwen2-1.5B teacher for a quicker look at the same student.
-    "qwen2-1.5b-0.5b": Pair(
-        qwen2(1536, 8960, 28, 12, 2, QWEN2_VOCAB, tied=True),
-        QWEN2_05B,
-        "Qwen2-1.5B-shaped teacher, Qwen2-0.5B-shaped student",
-    ),
+    "qwen2-1.5b-0.5b": Pair(qwen2(1536, 8960, 28, 12, 2, QWEN2_VOCAB, tied=True), QWEN2_05B,
+                           "Qwen2-1.5B-shaped teacher, Qwen2-0.5B-shaped student"),
     # The shape TRL published its distillation speed at (huggingface/trl PR #6942: Llama 3.2 1B student and teacher,
     # bf16, sequence 1024, batch 32, one H100, 26.8k tokens/s uncompiled): a same-size pair, the loss's share at its
     # largest (vocabulary 128,256 against hidden 2048).
