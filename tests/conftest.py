@@ -12,6 +12,7 @@ import collections
 import functools
 import inspect
 import re
+import sys
 import types
 
 import pytest
@@ -77,6 +78,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    launch = sys.modules.get("launch")
+    if launch is not None:  # the ranks kept for this process's several-rank launches end with it
+        launch.KeptRanks.close_all()
     if _skipped_multirank:
         print(f"\nmulti-rank tests were skipped, which counts as failure: {_skipped_multirank}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import clean_environment, run_ranks
+from launch import ROOT, run_ranks
 from test_chat_data import SCRIPT, _assistant_perplexity, _chat_args, tiny_chat, tokenizer  # noqa: F401
 from tiny_models import VOCAB, gpt2_config, llama_config, qwen2_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -336,13 +334,10 @@ def test_cli_packs_the_sampled_micro_batches_of_an_on_policy_run(tiny_chat, tmp_
 
 def test_the_packing_benchmark_runs_on_the_cpu(tmp_path):
     """Smoke only (nothing about speed): every batching ran, and packing is the densest."""
-    from launch import ROOT
-
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_packing.py"), "--pair", "tiny", "--conversations",
-                    "40", "--max-length", "256", "--block-size", "256", "--micro-batch", "2", "--steps", "1",
-                    "--warmup", "0", "--out", str(out)], cwd=ROOT, check=True, timeout=300,
-                   env={**clean_environment(), "PYTHONPATH": str(ROOT)})
+    run_ranks(ROOT / "benchmarks/bench_packing.py", ["--pair", "tiny", "--conversations", "40", "--max-length", "256",
+                                                    "--block-size", "256", "--micro-batch", "2", "--steps", "1",
+                                                    "--warmup", "0", "--out", str(out)], nprocs=0)  # in this process
     modes = json.loads(out.read_text())["modes"]
     assert set(modes) == {"packed", "grouped", "random"}
     assert all(m["counted_tokens_per_s"] > 0 for m in modes.values())

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, clean_environment
+from launch import ROOT, run_ranks
 from safetensors.torch import load_file
 from test_cli import _main_error, write_texts  # the CLI's error message, caught in this process; local text
 from tiny_models import gpt2_config
@@ -51,17 +49,6 @@ def _teachers(tiny: dict[str, Path], weights: tuple[float, float] = (1.0, 0.0)) 
                           f"{{name: b, model: {tiny['b']}, weight: {weights[1]}}}]"]
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    env = clean_environment() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _finish(process: subprocess.Popen) -> None:
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, f"{process.args} exited {process.returncode}:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-
-
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
 
@@ -72,16 +59,15 @@ def _student(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory) -> dict[str, Path]:
-    """Through ``scripts/distill.py``, each its own process (the independent ones at once): the first teacher alone
-    (teacher:), both weighted (1, 0) for STEPS steps, and both stopped at STEPS / 2 then resumed to STEPS."""
+    """Through ``scripts/distill.py`` (in this process, ``launch.run_here``: a start of its own would add ~7 s of
+    imports each): the first teacher alone (teacher:), both weighted (1, 0) for STEPS steps, and both stopped at
+    STEPS / 2 then resumed to STEPS."""
     root = tmp_path_factory.mktemp("runs")
     out = {name: root / name for name in ("one", "two", "resumed")}
-    started = [_start([*_args(tiny, out["one"]), f"teacher={tiny['a']}"]),
-               _start([*_args(tiny, out["two"]), *_teachers(tiny)]),
-               _start([*_args(tiny, out["resumed"], steps=STEPS // 2), *_teachers(tiny)])]
-    for process in started:
-        _finish(process)
-    _finish(_start([*_args(tiny, out["resumed"]), *_teachers(tiny), "--resume"]))
+    run_ranks(SCRIPT, [*_args(tiny, out["one"]), f"teacher={tiny['a']}"], nprocs=0)
+    run_ranks(SCRIPT, [*_args(tiny, out["two"]), *_teachers(tiny)], nprocs=0)
+    run_ranks(SCRIPT, [*_args(tiny, out["resumed"], steps=STEPS // 2), *_teachers(tiny)], nprocs=0)
+    run_ranks(SCRIPT, [*_args(tiny, out["resumed"]), *_teachers(tiny), "--resume"], nprocs=0)
     return out
 
 

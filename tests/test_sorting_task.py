@@ -4,12 +4,10 @@ of the routed two-task comparison (benchmarks/bench_routed_tasks.py: two steps a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
-from launch import ROOT
+from launch import ROOT, run_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.data import chat
@@ -67,14 +65,9 @@ def test_the_shipped_sorting_teacher_sorts_and_shares_the_arithmetic_tokenizer()
 
 def test_the_routed_two_task_comparison_runs(tmp_path):
     """Every row of benchmarks/bench_routed_tasks.py on a handful of examples and two steps a row."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    args = [sys.executable, str(ROOT / "benchmarks/bench_routed_tasks.py"), "--out", str(tmp_path / "run"),
-            "--steps", "3", "--warm-start-steps", "1", "--micro-batch", "4", "--labelled", "8", "--prompts", "8", "8",
-            "--heldout", "8", "--seeds", "3"]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(ROOT / "benchmarks/bench_routed_tasks.py",  # in this process (launch.run_here); a failure fails here
+              ["--out", str(tmp_path / "run"), "--steps", "3", "--warm-start-steps", "1", "--micro-batch", "4",
+               "--labelled", "8", "--prompts", "8", "8", "--heldout", "8", "--seeds", "3"], nprocs=0)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     rows = {row["row"]: row for row in report["rows"]}
     assert list(rows) == ["teacher:arithmetic", "teacher:sorting", "sft", "only_arithmetic", "only_sorting", "routed"]

@@ -23,6 +23,7 @@ LOSS = [{"name": "cross_entropy", "weight": 0.5}, {"name": "forward_kl", "weight
 
 
 def main(out: Path) -> None:
+    distributed.init()  # before saved_pair and the data's seed: both ask the rank
     teacher_dir, student_dir = saved_pair(out)
     data = random_batches(6, 2, 24, seed=11 + distributed.rank())
     results = {}
