@@ -143,7 +143,7 @@ def test_a_tokenizer_other_than_the_runs_is_refused_before_any_write(server, tex
     out = tmp_path / "out"
     cases = [  # the run's tokenizer is another one; the served model's is said to be another one; one URL, no folder
         (_args(texts, out, _served(server.url), f"tokenizer={other}"), "its tokenizer differs from the run's"),
-        (_args(texts, out, _served(server.url, tokenizer=str(other))), "is not options.tokenizer's"),
+        (_args(texts, out, _served(server.url, tokenizer=str(other))), r"is not teachers\[t\]\.options\.tokenizer's"),
         (_args(texts, out, {"model": server.url, "options": {"api_key_env": KEY_ENV}}, f"tokenizer={other}"),
          "vocabulary sha256 .* differs from the run's"),
         (_args(texts, out, {"model": server.url, "options": {"api_key_env": KEY_ENV}}), "is served: .*Set tokenizer"),

@@ -287,7 +287,7 @@ def test_another_tokenizer_is_refused_before_anything_is_built(server, tmp_path)
 
     other = tmp_path / "other_tokenizer"
     bpe("a b").save_pretrained(other)
-    with pytest.raises(ConfigError, match="tokenizer.*is not options.tokenizer's"):
+    with pytest.raises(ConfigError, match=r"tokenizer.*is not teachers\[t\]\.options\.tokenizer's"):
         describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "tokenizer": str(other)}))
     card = describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV}))
     (problem,) = fingerprint_problems([("t", card)], str(other))
@@ -368,7 +368,8 @@ def test_a_slow_server_times_out_naming_its_figure(server):
     served = teacher(server.url, timeout_s=1)
     server.fault("slow", slow_s=3)
     try:
-        with pytest.raises(protocol.TeacherTimeout, match=r"timeout_s=1 s.*raise options.timeout_s"):
+        with pytest.raises(protocol.TeacherTimeout, match=r"timeout_s=1 s.*raise teachers\[served\]\.options\.timeout_s"
+                           ):
             served.forward(batches(1)[0])
     finally:
         time.sleep(3)  # let the slow answers drain before the next test

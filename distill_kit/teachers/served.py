@@ -32,13 +32,15 @@ Options (``TeacherSpec.options``), with their defaults:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,38 @@ def is_url(model: object) -> bool:
 
 
 @dataclass(frozen=True)
+class Labels:
+    """What the client's messages call the server's address and its options, so that each error names what the
+    user wrote: a run config's keys (``teachers[NAME].model``, ``teachers[NAME].options.wait_s``) unless a script
+    says otherwise with :func:`named_as` (capture: ``--teacher``, ``--teacher-options wait_s``)."""
+
+    model: str
+    options: str
+    sep: str = "."
+
+    def option(self, name: str) -> str:
+        return f"{self.options}{self.sep}{name}"
+
+
+_NAMED_AS: contextvars.ContextVar[Labels | None] = contextvars.ContextVar("served_labels", default=None)
+
+
+def labels(spec: TeacherSpec) -> Labels:
+    """The labels in force: the script's (:func:`named_as`), else the run config's keys for ``spec``."""
+    return _NAMED_AS.get() or Labels(f"teachers[{spec.name}].model", f"teachers[{spec.name}].options")
+
+
+@contextlib.contextmanager
+def named_as(given: Labels) -> Iterator[None]:
+    """Within the block, the client's messages name ``given`` (a script's flags) instead of run-config keys."""
+    token = _NAMED_AS.set(given)
+    try:
+        yield
+    finally:
+        _NAMED_AS.reset(token)
+
+
+@dataclass(frozen=True)
 class ServedCard(TeacherCard):
     """A served teacher's card: the plan's fields, and what the server said of itself."""
 
@@ -92,7 +126,7 @@ class ServedOutput:
 def options_of(spec: TeacherSpec) -> dict[str, Any]:
     """The spec's options over :data:`DEFAULTS`, each checked; one ``ConfigError`` naming every bad value."""
     opts = DEFAULTS | dict(spec.options)
-    key, problems = f"teachers[{spec.name}].options", []
+    key, problems = labels(spec).options, []
     if opts["api"] not in protocol.APIS:
         problems.append(f"api {opts['api']!r}: choose one of {', '.join(protocol.APIS)}")
     for name in ("k", "rows_per_request", "max_in_flight"):
@@ -124,9 +158,9 @@ def _client(opts: Mapping[str, Any]) -> Any:
                                                                                              or 10.0)), limits=limits)
 
 
-def server_info(url: str, opts: Mapping[str, Any], name: str = "teacher") -> dict[str, Any]:
+def server_info(url: str, opts: Mapping[str, Any], named: Labels) -> dict[str, Any]:
     """What the server at ``url`` says of its model (``served_protocol.INFO_ENDPOINTS``), waiting up to ``wait_s``
-    for it to come up; then one ``ConfigError`` naming the URL and the fix."""
+    for it to come up; then one ``ConfigError`` naming the URL and the fix, in ``named``'s words."""
     import httpx
 
     api, deadline, last = opts["api"], time.monotonic() + opts["wait_s"], "no answer"
@@ -139,10 +173,10 @@ def server_info(url: str, opts: Mapping[str, Any], name: str = "teacher") -> dic
             except (httpx.TransportError, ValueError) as err:
                 reply, last = None, f"{type(err).__name__}: {err}"
             if reply is not None and reply.status_code == 401:
-                raise ConfigError(f"teachers[{name}].model: the server at {url} refused the API key (HTTP 401); "
-                                  "set options.api_key_env to the environment variable holding its --api-key")
+                raise ConfigError(f"{named.model}: the server at {url} refused the API key (HTTP 401); set "
+                                  f"{named.option('api_key_env')} to the environment variable holding its --api-key")
             if reply is not None and document is not None:
-                return _info(api, document, url, name)
+                return _info(api, document, url, named)
             if reply is not None:
                 last = f"HTTP {reply.status_code} from {path}: {reply.text[:200]}"
                 if reply.status_code == 404:
@@ -153,18 +187,18 @@ def server_info(url: str, opts: Mapping[str, Any], name: str = "teacher") -> dic
     start = {"distill_kit": "python scripts/serve_teacher.py MODEL --port PORT",
              "vllm": "vllm serve MODEL --port PORT --max-logprobs K",
              "sglang": "python -m sglang.launch_server --model-path MODEL --port PORT"}[api]
-    raise ConfigError(f"teachers[{name}].model: no {api} teacher server answered at {url} within wait_s="
+    raise ConfigError(f"{named.model}: no {api} teacher server answered at {url} within wait_s="
                       f"{opts['wait_s']:g} s (last: {last}). Start it ({start}), check the host, port and "
-                      f"options.api ({api}), or raise options.wait_s while it loads")
+                      f"{named.option('api')} ({api}), or raise {named.option('wait_s')} while it loads")
 
 
-def _info(api: str, document: Any, url: str, name: str) -> dict[str, Any]:
+def _info(api: str, document: Any, url: str, named: Labels) -> dict[str, Any]:
     if api == "distill_kit":
         return dict(document)
     if api == "vllm":
         data = document.get("data") if isinstance(document, dict) else None
         if not data:
-            raise ConfigError(f"teachers[{name}].model: {url}/v1/models lists no model")
+            raise ConfigError(f"{named.model}: {url}/v1/models lists no model")
         entry = data[0]
         return {"model": entry.get("id"), "max_model_len": entry.get("max_model_len"),
                 **(entry.get("distill_kit") or {})}
@@ -181,26 +215,26 @@ class ServedTeacher(Teacher):
     def describe(cls, spec: TeacherSpec) -> ServedCard:
         """Asks the server (waiting up to ``wait_s``); refuses a tokenizer other than ``options.tokenizer``'s and a
         k above what the server gives, before anything is written."""
-        opts = options_of(spec)
-        url, key = str(spec.model).rstrip("/"), f"teachers[{spec.name}]"
-        info = server_info(url, opts, spec.name)
+        opts, named = options_of(spec), labels(spec)
+        url = str(spec.model).rstrip("/")
+        info = server_info(url, opts, named)
         problems = []
         if info.get("max_k") is not None and opts["k"] > int(info["max_k"]):
-            problems.append(f"options.k = {opts['k']}: the server gives at most {info['max_k']} (serve_teacher.py "
-                            "--max-k, vllm serve --max-logprobs)")
+            problems.append(f"{named.option('k')} = {opts['k']}: the server gives at most {info['max_k']} "
+                            "(serve_teacher.py --max-k, vllm serve --max-logprobs)")
         local = opts["tokenizer"]
         if local is not None:
             from distill_kit.engines.models import has_tokenizer
 
             if not has_tokenizer(local):
-                problems.append(f"options.tokenizer {local!r} holds no tokenizer (tokenizer.json or "
+                problems.append(f"{named.option('tokenizer')} {local!r} holds no tokenizer (tokenizer.json or "
                                 "tokenizer_config.json); give the folder of the server's model's tokenizer")
             elif info.get("tokenizer_sha256") and (ours := vocabulary_sha256(local)) != info["tokenizer_sha256"]:
                 problems.append(f"the server's tokenizer (vocabulary sha256 {info['tokenizer_sha256'][:12]}) is not "
-                                f"options.tokenizer's ({local!r}: {ours[:12]}): serve a model with this "
-                                "run's tokenizer, or point options.tokenizer at the server model's")
+                                f"{named.option('tokenizer')}'s ({local!r}: {ours[:12]}): serve a model with this "
+                                f"run's tokenizer, or point {named.option('tokenizer')} at the server model's")
         if problems:
-            raise ConfigError(f"{key}: " + "; ".join(problems))
+            raise ConfigError(f"{named.model}: " + "; ".join(problems))
         config = _config(info.get("config"))
         text = config.get_text_config() if config is not None else None
         vocab = info.get("vocab_size") or (getattr(text, "vocab_size", None) if text is not None else None)
@@ -216,6 +250,7 @@ class ServedTeacher(Teacher):
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         super().__init__(spec, card, setup)
         self.opts = card.options if isinstance(card, ServedCard) and card.options else options_of(spec)
+        self.named = labels(spec)  # taken here: the request threads do not see the caller's named_as
         self.url = str(spec.model).rstrip("/")
         self.api, self.k = self.opts["api"], int(self.opts["k"])
         self.served_model = card.served_model if isinstance(card, ServedCard) else None
@@ -241,7 +276,7 @@ class ServedTeacher(Teacher):
 
     def forward(self, inputs: Mapping[str, Any]) -> ServedOutput:
         if inputs.get("output_hidden_states") or inputs.get("output_attentions"):
-            raise ConfigError(f"teachers[{self.spec.name}]: a served teacher returns top-k log-probabilities only; "
+            raise ConfigError(f"{self.named.model}: a served teacher returns top-k log-probabilities only; "
                               "hidden-state and attention losses need an in-process teacher (kind: engine)")
         key = _key(inputs)
         with self.lock:
@@ -291,8 +326,9 @@ class ServedTeacher(Teacher):
                 if reply.status_code in (502, 503, 504):
                     raise httpx.TransportError(f"HTTP {reply.status_code}")
                 if reply.status_code == 401:
-                    raise ConfigError(f"teachers[{self.spec.name}]: the server at {self.url} refused the API key "
-                                      "(HTTP 401); set options.api_key_env to the variable holding its --api-key")
+                    raise ConfigError(f"{self.named.model}: the server at {self.url} refused the API key (HTTP "
+                                      f"401); set {self.named.option('api_key_env')} to the variable holding its "
+                                      "--api-key")
                 if reply.status_code != 200:
                     raise TeacherResponseError(f"the teacher server at {url} answered HTTP {reply.status_code}: "
                                                f"{reply.text[:300]}")
@@ -301,7 +337,8 @@ class ServedTeacher(Teacher):
                 raise TeacherTimeout(
                     f"the teacher server at {url} did not answer within timeout_s={self.opts['timeout_s']:g} s "
                     f"({type(err).__name__}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens). A loaded or "
-                    "slow server: raise options.timeout_s, lower options.rows_per_request, or give it more GPUs; "
+                    f"slow server: raise {self.named.option('timeout_s')}, lower "
+                    f"{self.named.option('rows_per_request')}, or give it more GPUs; "
                     "the run checkpoints here, resume with --resume") from None
             except (httpx.TransportError, httpx.DecodingError) as err:
                 now = time.monotonic()

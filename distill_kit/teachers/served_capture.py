@@ -13,7 +13,6 @@ token's position gives is that prediction.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,9 @@ from distill_kit.engines import models
 from distill_kit.errors import ConfigError
 from distill_kit.offline.capture import CaptureConfig, Rows, fill_store
 from distill_kit.offline.store import Manifest
-from distill_kit.teachers import kinds
+from distill_kit.teachers import kinds, served
 from distill_kit.teachers.base import TeacherSetup
-from distill_kit.teachers.served import ServedTeacher, options_of, server_info
+from distill_kit.teachers.served import ServedTeacher
 from distill_kit.teachers.served_protocol import TeacherResponseError
 from distill_kit.teachers.tokenizers import fingerprint_problems
 
@@ -54,23 +53,21 @@ def capture(url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
                           "keeps the tail)")
     spec = TeacherSpec(name="capture", model=url, kind="served",
                        options={**(options or {}), "k": config.k, "tail": True})
-    try:
+    unknown = sorted(set(spec.options) - set(ServedTeacher.options))
+    if unknown:
+        raise ConfigError(f"--teacher-options: {unknown} are not options of a served teacher; it takes "
+                          f"{[name for name in ServedTeacher.options if name not in ('k', 'tail')]}")
+    with served.named_as(FLAGS):  # the client's errors name this script's flags, not a run config's keys
         return _capture(spec, url, tokenizer, blocks, out, config)
-    except ConfigError as err:  # the client's errors name a run config's keys; this user gave the script's flags
-        raise ConfigError(_in_flags(str(err))) from None
 
 
-def _in_flags(message: str) -> str:
-    """``teachers[capture].model`` -> ``--teacher``, ``(teachers[capture].)options.X`` -> ``--teacher-options X``."""
-    message = re.sub(r"teachers\[capture\]\.options\.", "--teacher-options ", message)
-    message = message.replace("teachers[capture].options", "--teacher-options")
-    message = re.sub(r"teachers\[capture\](\.model)?", "--teacher", message)
-    return re.sub(r"(?<![\w-])options\.(?=\w)", "--teacher-options ", message)
+FLAGS = served.Labels(model="--teacher", options="--teacher-options", sep=" ")
+"""How the served client's messages name the server and its options in this script (``capture_teacher.py``)."""
 
 
 def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
              config: CaptureConfig) -> Manifest:
-    info = server_info(str(url).rstrip("/"), options_of(spec), spec.name)
+    info = served.server_info(str(url).rstrip("/"), served.options_of(spec), FLAGS)
     if info.get("max_k") is not None and config.k > int(info["max_k"]):
         raise ConfigError(f"--k {config.k}: the teacher server at {url} gives at most {info['max_k']} tokens a "
                           f"position; capture with --k {info['max_k']} or less, or restart the server with a larger "
