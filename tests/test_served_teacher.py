@@ -368,8 +368,8 @@ def test_a_slow_server_times_out_naming_its_figure(server):
     served = teacher(server.url, timeout_s=1)
     server.fault("slow", slow_s=3)
     try:
-        with pytest.raises(protocol.TeacherTimeout, match=r"timeout_s=1 s.*raise teachers\[served\]\.options\.timeout_s"
-                           ):
+        timed_out = r"timeout_s=1 s.*raise teachers\[served\]\.options\.timeout_s"
+        with pytest.raises(protocol.TeacherTimeout, match=timed_out):
             served.forward(batches(1)[0])
     finally:
         time.sleep(3)  # let the slow answers drain before the next test
