@@ -9,14 +9,19 @@ from distill_kit.training import on_policy
 from distill_kit.training.on_policy import OnPolicyConfig
 
 
-def test_a_sampling_student_gets_no_auto_liger_and_its_teacher_no_liger_rope():
+def test_a_sampling_student_gets_no_auto_liger_and_its_teacher_no_liger_rope(caplog):
     sampling = OnPolicyConfig(fraction=0.5)
     assert on_policy.student_kernels("auto", sampling) == "none"
-    assert on_policy.student_kernels("liger", sampling) == "liger"  # asked for by name: kept
+    assert not caplog.records
+    assert on_policy.student_kernels("liger", sampling) == "liger"  # asked for by name: kept, its cost said
+    assert "auto leaves Liger out of a sampling student" in caplog.text
+    caplog.clear()
     assert on_policy.teacher_liger(sampling) == {"rope": False}
     for other in (OnPolicyConfig(), OnPolicyConfig(fraction=1.0, sampler="teacher")):  # off-policy, seq-KD
         assert on_policy.student_kernels("auto", other) == "auto"
+        assert on_policy.student_kernels("liger", other) == "liger"
         assert on_policy.teacher_liger(other) == {}
+    assert not caplog.records  # a student that does not sample runs Liger without a word
 
 
 @pytest.mark.parametrize("before", [None, "0"])

@@ -260,7 +260,13 @@ def student_samples(config: OnPolicyConfig) -> bool:
 def student_kernels(choice: str, config: OnPolicyConfig) -> str:
     """The student's ``training.student_kernels`` when it samples: ``auto`` then means none. Liger's RMSNorm
     kernel inside the compiled static-cache decode step makes torch.compile assume it mutates the weights, so the
-    step runs without CUDA graphs (the cost: benchmarks/RESULTS.md). An explicit ``liger`` is kept."""
+    step runs without CUDA graphs (the cost: benchmarks/RESULTS.md). An explicit ``liger`` is kept, with a warning
+    that says what it costs."""
+    if choice == "liger" and student_samples(config):
+        logger.warning("training.student_kernels: liger in a student that samples on-policy keeps its decode step "
+                       "from compiling whole (no CUDA graphs, a recompile per layer): on one H200 its sampling took "
+                       "8.2x as long and its on-policy step 5.2x (benchmarks/results/peers.md); auto leaves Liger "
+                       "out of a sampling student")
     return "none" if choice == "auto" and student_samples(config) else choice
 
 
