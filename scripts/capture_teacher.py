@@ -24,10 +24,9 @@ import json
 import logging
 from pathlib import Path
 
-import yaml
 from transformers import AutoTokenizer
 
-from distill_kit.config import CONFIG_DIR
+from distill_kit.config import CONFIG_DIR, _safe_load
 from distill_kit.data.blocks import DataConfig, build_splits
 from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError, DataError, DeepSpeedConfigError
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> Manifest:
     if served and not args.tokenizer:
         raise ConfigError(f"--teacher {args.teacher} is a server: give --tokenizer, the folder of the served "
                           "model's tokenizer (its config.json too where the server reports no config)")
-    options = yaml.safe_load(args.teacher_options)
+    options = _safe_load(args.teacher_options, "--teacher-options")
     if not isinstance(options, dict):
         raise ConfigError(f"--teacher-options {args.teacher_options!r}: give a mapping, e.g. '{{api: vllm}}'")
     distributed.init()

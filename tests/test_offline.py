@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 from launch import ROOT, run_ranks
@@ -49,6 +51,23 @@ def test_store_from_other_inputs_is_refused_naming_both_values(two_ranks):
         assert all(word in result["all"] for word in ("tokenizer:", "dataset:", "k:"))  # every difference at once
         assert result["none"] == ""
         assert "not in the teacher store" in result["unknown_sequence"]
+
+
+def test_capture_script_refuses_bad_teacher_options_in_one_line(tmp_path, monkeypatch):
+    """--teacher-options that are not YAML, or not a mapping: one line naming the flag, before anything is written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capture_teacher", ROOT / "scripts/capture_teacher.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for options, message in (("{api: ", "--teacher-options: cannot read '{api: ' as YAML"),
+                             ("[vllm]", "--teacher-options '[vllm]': give a mapping")):
+        monkeypatch.setattr(sys, "argv", ["capture_teacher.py", "--teacher", "http://127.0.0.1:9", "--tokenizer",
+                                          str(tmp_path), "--teacher-options", options, "--data", "x.txt", "--out",
+                                          str(tmp_path / "store")])
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            script.main()
+    assert not (tmp_path / "store").exists()
 
 
 def test_capture_script_stores_the_blocks_a_training_run_builds(tmp_path):
