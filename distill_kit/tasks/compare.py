@@ -275,12 +275,12 @@ def rescore_with_harness(run_dir: str | Path, settings: HarnessConfig) -> dict[s
     """``settings`` on a finished task benchmark (``scripts/evaluate_run.py``): each seed's saved students, on that
     seed's held-out prompts as the run itself would have scored them (:func:`score_with_harness`), the rows'
     harness columns replaced, report.json rewritten; returns its new summary. Settings a task run refuses
-    (``seed``, ``examples``, ``limit``) are refused here by the same check, before any work."""
+    (``seed``, ``examples``, ``limit``) are refused here by the same check (``RunConfig``'s), and the harness's own
+    checks run before the first seed's evaluation; report.json is written once, at the end."""
     run_dir = Path(run_dir)
     report = json.loads((run_dir / "report.json").read_text())
     saved = build(RunConfig, report["config"])
     config = dataclasses.replace(saved, eval=dataclasses.replace(saved.eval, harness=settings))
-    harness.check(settings)
     for entry in report["per_seed"]:
         seeded = dataclasses.replace(config, output_dir=str(run_dir / f"seed_{entry['seed']}"),
                                      training=dataclasses.replace(config.training, seed=entry["seed"]))

@@ -72,7 +72,7 @@ def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Datas
         raise ConfigError(f"--k {config.k}: the teacher server at {url} gives at most {info['max_k']} tokens a "
                           f"position; capture with --k {info['max_k']} or less, or restart the server with a larger "
                           "--max-k (vllm serve: --max-logprobs)")
-    card = kinds.describe(spec)  # unknown options refused, naming the ones a served teacher takes
+    card = kinds.describe(spec)  # the server's tokenizer, positions and config, as a run's teacher reads them
     problems = fingerprint_problems([(f"--teacher {url}", card)], tokenizer, "--tokenizer")
     if problems:
         raise ConfigError(problems[0] + ", or give --tokenizer the server model's tokenizer")
