@@ -126,6 +126,11 @@ class OnPolicyConfig:
     vary leave little padding; a conversation longer than it gets a row of its own. 0: right-padded rows. The CLI
     sets it to ``data.block_size`` when ``data.packing: true`` (the loader then hands over unpacked rows, whose
     prompts the sampler reads)."""
+    samples_per_prompt: int = 1
+    """G: samples of each prompt, drawn in the same generate call (GRPO's group). With G > 1 each row the data
+    gives is repeated G times before sampling (its G copies side by side), so a micro-batch of P prompts trains on
+    P x G rows: ``micro_batch_size`` counts those rows, and the CLI reads micro_batch_size / G prompts per
+    micro-batch. Rewards are normalised within each group (training.rewards). Needs fraction 1."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -139,13 +144,58 @@ class OnPolicyConfig:
             "generation_batch_size": self.generation_batch_size >= 0,
             "max_length": self.max_length >= 0,
             "pack_to": self.pack_to >= 0,
+            "samples_per_prompt": self.samples_per_prompt >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
                              "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
-                             "generation_batch_size >= 0, max_length >= 0, pack_to >= 0)")
+                             "generation_batch_size >= 0, max_length >= 0, pack_to >= 0, samples_per_prompt >= 1)")
+        if self.samples_per_prompt > 1 and self.fraction != 1.0:
+            raise ValueError(f"on_policy.samples_per_prompt={self.samples_per_prompt} samples each prompt of a row "
+                             f"several times, and on_policy.fraction={self.fraction} leaves some rows unsampled: set "
+                             "fraction: 1.0 (every row a prompt to answer) or samples_per_prompt: 1")
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward of a run (``distill_kit/rewards``): what scores each sample, and its weight in their sum."""
+
+    name: str = ""
+    """A registered reward (arithmetic, sorting, or one of your own ``rewards.register``) or
+    ``package.module:function``."""
+    weight: float = 1.0
+    """Its weight in the sample's reward, the weighted sum of every reward that scores the sample."""
+    teacher: str | None = None
+    """With combine: route, the teacher (by name) whose conversations this reward scores; None scores every
+    conversation. Each domain's reward beside its teacher: docs/rewards.md#per-domain-rewards."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("training.rewards.functions: each entry needs a name, e.g. {name: arithmetic, weight: 1}")
+        if not (isinstance(self.weight, int | float) and math.isfinite(self.weight)):
+            raise ValueError(f"training.rewards.functions[{self.name}].weight: {self.weight!r}; give a finite number")
+
+
+@dataclass
+class RewardsConfig:
+    """Task rewards for the student's own samples: each sample's reward is the weighted sum of ``functions``, and
+    each group of ``on_policy.samples_per_prompt`` samples of one prompt turns its rewards into advantages (GRPO),
+    which a ``policy_gradient`` loss trains on with weight ``reward`` (docs/rewards.md)."""
+
+    functions: tuple[RewardSpec, ...] = ()
+    """The rewards, e.g. [{name: arithmetic, weight: 1.0}]; none: the run has no rewards."""
+    scale_by_std: bool = True
+    """Divide each group's centred rewards by its standard deviation (GRPO). false: centred only (Dr. GRPO), so
+    that a group whose samples barely differ (too easy or too hard) weighs less instead of being blown up."""
+
+    def __post_init__(self) -> None:
+        self.functions = tuple(RewardSpec(**f) if isinstance(f, Mapping) else f for f in self.functions)
+
+    @property
+    def on(self) -> bool:
+        return bool(self.functions)
 
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -235,6 +285,8 @@ class TrainingConfig:
     known architecture, every loss a logit loss that takes it); the run's log says when it is not."""
     on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     """Rows answered by the student's own samples (GKD) or the teacher's (sequence-level KD); off by default."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Task rewards scored on the student's samples, for a policy_gradient loss (docs/rewards.md); none by default."""
     teacher_residency: Residency = "resident"
     """Where the teachers' weights live. resident: on the device the whole run (ZeRO-3 shards or replicated, by the
     teacher's DeepSpeed config). paged (combine: route): kept in pinned host memory or on disk, each brought onto
@@ -272,6 +324,17 @@ class TrainingConfig:
         self.betas = tuple(self.betas)
         if isinstance(self.on_policy, dict):
             self.on_policy = OnPolicyConfig(**self.on_policy)
+        if isinstance(self.rewards, dict):
+            self.rewards = RewardsConfig(**self.rewards)
+        group = self.on_policy.samples_per_prompt
+        if self.micro_batch_size % group:
+            raise ValueError(f"training.on_policy.samples_per_prompt={group} does not divide training.micro_batch_size="
+                             f"{self.micro_batch_size}: a micro-batch holds whole groups (micro_batch_size / G prompts "
+                             f"x G samples); give a micro_batch_size that is a multiple of {group}")
+        if self.rewards.on and (self.on_policy.fraction == 0 or self.on_policy.sampler != "student"):
+            raise ValueError("training.rewards score the student's own samples, and this run has none "
+                             f"(on_policy.fraction={self.on_policy.fraction}, sampler={self.on_policy.sampler}): set "
+                             "training.on_policy.fraction: 1.0 with sampler: student, or drop training.rewards")
         if isinstance(self.teacher_paging, dict):
             self.teacher_paging = PagingConfig(**self.teacher_paging)
 
@@ -409,7 +472,8 @@ class EvalConfig:
 # The default rows: the ceiling, the baseline, and the two recipes that learn the task (docs/tasks.md); the rest
 # run with task.recipes. Four rows at three seeds fit the seeded table's 20 minutes on a 2-core CPU.
 RECIPES = ("teacher", "sft", "seq_kd", "on_policy_forward_kl")
-EXTRA_RECIPES = ("forward_kl", "on_policy_reverse_kl", "on_policy_jsd", "mixed", "self_distill")
+EXTRA_RECIPES = ("forward_kl", "on_policy_reverse_kl", "on_policy_jsd", "mixed", "self_distill", "grpo", "opd",
+                 "opd_reward", "fixed_advantage")
 
 
 @dataclass(frozen=True)
@@ -418,8 +482,9 @@ class TaskConfig:
     every recipe from the first student's initial weights and ``training.max_steps`` steps, then greedy
     exact-match accuracy on held-out prompts, at every seed of ``seeds``, into report.json."""
 
-    name: Literal["arithmetic"] | None = None
-    """The task; None trains the students on ``data`` as usual."""
+    name: Literal["arithmetic", "sorting"] | None = None
+    """The task (arithmetic: running sums; sorting: eight digits in order); None trains the students on ``data`` as
+    usual. Its teacher: distill_kit/assets/<name>/teacher."""
     labelled: int = 300
     """Prompts with reference answers: all SFT and off-policy KD see (distillation helps most where answers are few)."""
     prompts: int = 20000
@@ -432,7 +497,11 @@ class TaskConfig:
     recipes: tuple[str, ...] = RECIPES
     """Which rows to run: by default teacher, sft, seq_kd and on_policy_forward_kl; also forward_kl,
     on_policy_reverse_kl, on_policy_jsd, mixed and self_distill (the student its own teacher, the labelled answers
-    in its prompt; how they compare: docs/tasks.md)."""
+    in its prompt; how they compare: docs/tasks.md), and with the task's checker as reward grpo, opd, opd_reward
+    and fixed_advantage (docs/rewards.md#the-recipes)."""
+    samples_per_prompt: int = 4
+    """G of the reward recipes (grpo, opd, opd_reward, fixed_advantage): samples of each prompt per group;
+    training.micro_batch_size counts the samples, so every on-policy recipe samples as many rows per step."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """Each recipe runs once per seed, as training.seed (its data draw, initial student, batch order and sampling);
     the table gives the mean exact match, its range and each seed's value. [0]: the one-seed quick mode."""
@@ -450,6 +519,8 @@ class TaskConfig:
                              "[0] for one quick run)")
         for i, seed in enumerate(self.seeds):
             check_seed(seed, f"task.seeds[{i}]")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"task.samples_per_prompt: {self.samples_per_prompt}; give 1 or more (4: GRPO's groups)")
         if self.max_new_tokens < 1:
             raise ValueError(f"task.max_new_tokens: {self.max_new_tokens} tokens leaves no answer to sample or "
                              "generate; give 1 or more (the task's answers are 27 tokens)")

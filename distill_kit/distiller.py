@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import AutoTokenizer
 
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed
@@ -44,6 +45,7 @@ from distill_kit.teachers.group import Teachers
 from distill_kit.training import evaluation, nonfinite
 from distill_kit.training.loop import Batch, Trainer
 from distill_kit.training.on_policy import Sampler
+from distill_kit.training.rewarding import Rewarder
 from distill_kit.training.plan import DataFacts, Plan, make_plan
 from distill_kit.training.student import Student
 from losses import DistillationLoss, LossOutput
@@ -139,6 +141,21 @@ class Distiller(Trainer):
         self.sampler = (Sampler(on_policy, lambda: only.model) if on_policy.sampler == "student" else
                         Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
                                 synced=distributed.world_size() > 1))
+        self.rewarder = self._rewarder(tokenizer)
+        """Scores the student's samples with ``training.rewards`` (``training/rewarding.py``); None without rewards."""
+
+    def _rewarder(self, tokenizer: str | None) -> Rewarder | None:
+        """The run's rewards on its samples, decoded by the run's tokenizer (default: the first student's folder,
+        else the first teacher's)."""
+        if not self.plan.rewards:
+            return None
+        source = tokenizer or next((s.model for s in self.plan.students if isinstance(s.model, str | Path)),
+                                   next((t.model for t in self.plan.teachers if isinstance(t.model, str | Path)), None))
+        if source is None:
+            raise ConfigError("training.rewards read the samples as text, and no model of this run names a tokenizer: "
+                              "pass tokenizer= (a folder or hub name)")
+        return Rewarder(self.training.rewards, self.plan.rewards, AutoTokenizer.from_pretrained(source),
+                        self.training.on_policy.samples_per_prompt, [t.name for t in self.plan.teachers])
 
     def _teacher_setups(self) -> dict[str, TeacherSetup]:
         return {name: TeacherSetup(self.plan.teacher_ds_configs[name], self.training, self.device,
@@ -163,10 +180,15 @@ class Distiller(Trainer):
 
     def make_batches(self, batches: list[Batch]) -> list[Batch]:
         """A step's micro-batches: with ``training.on_policy.generation_batch_size`` set, the sampler samples all of
-        their chosen rows together (``make_batch`` is not called); otherwise each goes through ``make_batch``."""
+        their chosen rows together (``make_batch`` is not called); otherwise each goes through ``make_batch``. With
+        ``training.rewards``, each sampled micro-batch is then scored (``rewards``, ``advantages``, ``no_signal``)."""
         if self.training.on_policy.generation_batch_size and self.training.on_policy.fraction > 0:
-            return self.sampler.many(batches)
-        return super().make_batches(batches)
+            made = self.sampler.many(batches)
+        else:
+            made = super().make_batches(batches)
+        if self.rewarder is None:
+            return made
+        return [self.rewarder(batch, f" of micro-batch {i} at step {self.step + 1}") for i, batch in enumerate(made)]
 
     def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
         """What every teacher is called with: the students' inputs, with hidden states or attention maps when any

@@ -25,3 +25,9 @@ class TeacherUnavailable(RuntimeError):
     """A teacher outside the training processes (a server) stopped answering for longer than the run waits. The loop
     stops cleanly on it (a checkpoint of the last whole step, then an exit) and ``--resume`` continues once it is
     back; the message names the teacher and how long it was waited for."""
+
+
+class RewardFailed(RuntimeError):
+    """A reward raised, or returned something other than a finite number, on a sample mid-run. The loop stops as for
+    an unavailable teacher (a checkpoint of the last whole step, a non-zero exit) and ``--resume`` continues once the
+    reward is fixed; the message names the reward, the prompt and what it returned."""

@@ -15,6 +15,7 @@ from losses.divergences import (
 )
 from losses.hidden import HiddenCosine, HiddenMSE, HiddenStateLoss
 from losses.mutual import MutualKL
+from losses.policy import PolicyGradient
 from losses.registry import LOSSES, build_loss, resolve
 from losses.supervised import CrossEntropy
 
@@ -33,6 +34,7 @@ __all__ = [
     "LogitMSE",
     "LossOutput",
     "MutualKL",
+    "PolicyGradient",
     "ReverseKL",
     "SkewForwardKL",
     "SkewReverseKL",

@@ -1,7 +1,8 @@
 """A weighted sum of named losses, e.g. ``0.5 CE + 0.5 KL``: the third tier of torchdistill's design.
 
 Each term keeps its own parameters (temperature, layers, ...) and is logged under its label, unweighted,
-so a run's log shows what every term does, not only their sum. The sum needs whatever any term needs.
+so a run's log shows what every term does, not only their sum; figures a term logs beside its value (a policy
+gradient's rewards and entropy) keep their own names. The sum needs whatever any term needs.
 """
 
 from __future__ import annotations
@@ -56,4 +57,5 @@ class WeightedSum(DistillationLoss):
             out = loss(student, teacher, batch)
             total = total + self.weights[label] * out.total
             parts[label] = out.total.detach()
+            parts |= {key: value for key, value in out.parts.items() if key != loss.name}  # a term's own figures
         return LossOutput(total, parts)

@@ -273,3 +273,42 @@ def span_divergence(student_logits: torch.Tensor, student_token: torch.Tensor,
 def uld(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """ULD on whole rows: :func:`sorted_l1` of ``softmax(student)`` (n, Vs) and ``softmax(teacher)`` (n, Vt)."""
     return sorted_l1(F.softmax(student_logits, dim=-1), F.softmax(teacher_logits, dim=-1))
+
+
+# ---- policy gradients: the parts of an objective with rewards (losses/policy.py) ----------------------------------
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's sequence advantage: each reward minus its group's mean, divided by the group's standard deviation
+    (Bessel-corrected, as TRL's and verl's GRPO take it) plus ``eps`` when ``scale_by_std``. ``rewards`` ``(n,)``
+    hold ``n / group_size`` groups of consecutive samples of one prompt. A group whose rewards are all equal gets
+    advantage 0 (no signal); without the std scaling (Dr. GRPO) a group's advantages keep the reward's units, so an
+    easy prompt whose samples differ little weighs little."""
+    groups = rewards.reshape(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale_by_std and group_size > 1:
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def teacher_advantage(teacher_log_probs: torch.Tensor, student_log_probs: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation's per-token advantage, ``log p_teacher(x_t) - log p_student(x_t)`` of each sampled
+    token: the k1 estimate of minus the reverse KL at that position (Thinking Machines' on-policy distillation).
+    Its mean over the student's samples is minus the reverse KL; the student's term is a constant of the gradient."""
+    return teacher_log_probs - student_log_probs.detach()
+
+
+def clipped_surrogate(log_probs: torch.Tensor, old_log_probs: torch.Tensor | None, advantages: torch.Tensor,
+                      clip_low: float, clip_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate, as a loss per token: ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
+    ``r = exp(log_probs - old_log_probs)``, the probability of each sampled token now over when it was sampled.
+
+    ``old_log_probs`` None means the samples came from these very parameters: ``r`` is 1 in value (the sampling
+    policy is the current one, detached), the clip never binds, and the gradient is exactly REINFORCE's,
+    ``-A grad log p``. Stale samples (sampled before the step's parameters) carry their sampling-time
+    log-probabilities, and the clip stops a step from moving a token's probability far past where it was sampled.
+    """
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    ratio = torch.exp(log_probs - old)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)

@@ -29,6 +29,7 @@ from losses.divergences import (
 )
 from losses.hidden import HiddenCosine, HiddenMSE
 from losses.mutual import MutualKL
+from losses.policy import PolicyGradient
 from losses.supervised import CrossEntropy
 
 LOSSES: dict[str, type[DistillationLoss]] = {
@@ -45,6 +46,7 @@ LOSSES: dict[str, type[DistillationLoss]] = {
     "attention_kl": AttentionKL,
     "mutual_kl": MutualKL,
     "cross_tokenizer": CrossTokenizer,
+    "policy_gradient": PolicyGradient,
 }
 
 LossSpec = str | Mapping[str, Any] | DistillationLoss | Sequence[Mapping[str, Any]]

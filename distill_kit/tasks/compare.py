@@ -13,6 +13,16 @@ Every recipe starts from the same initial student (the run's first ``students`` 
     mixed                   reverse KL, rows half labelled answers, half student samples of prompts (fraction 0.5)
     self_distill            the student its own teacher (kind self, frozen initial weights) reading the labelled
                             answer in its prompt, forward KL on its own samples of the labelled prompts (SDFT)
+    grpo                    SFT warm start, then the task's checker as the reward, task.samples_per_prompt samples
+                            of each prompt, group-normalised advantages: no teacher (plain GRPO)
+    opd                     the same samples, the teacher's per-token advantage log p_T - log p_S (on-policy
+                            distillation through the sampled token), no reward
+    opd_reward              both advantages in one objective (MOPD / OPD-RL)
+    fixed_advantage         the control: a fixed negative advantage on every sampled token, no teacher, no reward
+
+The last four sample the same rows per step as the other on-policy recipes (micro_batch_size of them: groups of
+``task.samples_per_prompt``); the report's ``teacher_helps`` says, per seed, whether ``opd`` beat
+``fixed_advantage`` and whether ``opd_reward`` beat the better of ``opd`` and ``grpo`` (docs/rewards.md).
 
 Each is scored by greedy exact-match accuracy on held-out prompts (the task's checker, the ``exact_match``
 metric) and the teacher-student KL on the held-out reference answers; the table gives the share of the
@@ -40,7 +50,7 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill_kit.config import HarnessConfig, StudentSpec, TeacherSpec, build
+from distill_kit.config import HarnessConfig, RewardsConfig, RewardSpec, StudentSpec, TeacherSpec, build
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.data.privileged import PrivilegedTemplate
@@ -49,13 +59,22 @@ from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError
 from distill_kit.run import run_config
 from distill_kit.run.run_config import RunConfig, to_dict
-from distill_kit.tasks import arithmetic, harness
+from distill_kit.tasks import arithmetic, harness, sorting
 from distill_kit.tasks.evaluate import accuracy, checked_answers
 from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
 from distill_kit.training.plan import DataFacts
 
 logger = logging.getLogger(__name__)
+
+TASKS = {"arithmetic": arithmetic, "sorting": sorting}
+"""The tasks a benchmark runs (``task.name``): each module's examples, seeds, checker and teacher folder."""
+REWARD_RECIPES = {"grpo": {"teacher": 0.0, "reward": 1.0}, "opd": {"teacher": 1.0, "reward": 0.0},
+                  "opd_reward": {"teacher": 1.0, "reward": 1.0},
+                  "fixed_advantage": {"teacher": 0.0, "reward": 0.0, "fixed": -1.0}}
+"""The recipes with rewards: each a ``policy_gradient`` loss (``losses/policy.py``) with these weights, the task's
+checker the reward. The fixed advantage's size does not matter under Adam (the update's scale is normalised), only
+its sign: every sampled token is pushed down alike."""
 
 
 class Mixed:
@@ -102,8 +121,13 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
                           "run it with plain python")
     out = Path(config.output_dir)
     if not (Path(config.teacher) / "config.json").is_file():
-        raise ConfigError(f"teacher: {config.teacher!r} is not a saved model directory; the arithmetic task's is "
-                          "distill_kit/assets/arithmetic/teacher (scripts/train_task_teacher.py writes it)")
+        raise ConfigError(f"teacher: {config.teacher!r} is not a saved model directory; the {task.name} task's is "
+                          f"distill_kit/assets/{task.name}/teacher (scripts/train_task_teacher.py writes it)")
+    grouped = [name for name in task.recipes if name in REWARD_RECIPES]
+    if grouped and config.training.micro_batch_size % task.samples_per_prompt:
+        raise ConfigError(f"task.samples_per_prompt={task.samples_per_prompt} does not divide training.micro_batch_size="
+                          f"{config.training.micro_batch_size}, and {grouped} sample whole groups of each prompt: give a "
+                          "micro_batch_size that is a multiple of it")
     if (out / "report.json").exists():
         raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
@@ -118,6 +142,7 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
                         | ({"harness": scores} if scores is not None else {}))
         logger.info("seed %d done in %.0fs", seed, per_seed[-1]["seconds"])
     summary = aggregate(per_seed)
+    summary["teacher_helps"] = teacher_helps(per_seed)
     summary["seconds"] = time.perf_counter() - began  # the whole comparison: data, every recipe, evaluation
     summary["config"] = to_dict(config)
     (out / "report.json").write_text(json.dumps(summary, indent=2))
@@ -131,10 +156,11 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
     run's files go under ``config.output_dir``."""
     task, out = config.task, Path(config.output_dir)
     init = prepare_student(config.students[0], config, tokenizer).model
-    seeds = arithmetic.split_seeds(config.training.seed)
-    labelled = list(arithmetic.examples(seeds["labelled"], task.labelled))
-    prompts = list(arithmetic.examples(seeds["prompts"], task.prompts))
-    heldout = list(arithmetic.examples(seeds["heldout"], task.heldout))
+    module = TASKS[task.name]
+    seeds = module.split_seeds(config.training.seed)
+    labelled = list(module.examples(seeds["labelled"], task.labelled))
+    prompts = list(module.examples(seeds["prompts"], task.prompts))
+    heldout = list(module.examples(seeds["heldout"], task.heldout))
     files = {name: arithmetic.write_jsonl(out / "data" / f"{name}.jsonl", items, with_answers=name != "prompts")
              for name, items in (("labelled", labelled), ("prompts", prompts), ("heldout", heldout))}
     answered = chat_split(tokenizer, files["labelled"], files["heldout"])
@@ -143,6 +169,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
     heldout_batches = chat.ChatLoader(answered.heldout, 100, pad_id=pad, shuffle=False, drop_last=False)
     data = {"labelled": lambda: chat.ChatLoader(answered.train, mbs, pad_id=pad, seed=seed),
             "prompts": lambda: chat.ChatLoader(unanswered, mbs, pad_id=pad, seed=seed),
+            "prompt_groups": lambda: chat.ChatLoader(unanswered, mbs // task.samples_per_prompt, pad_id=pad, seed=seed),
             "mixed": lambda: Mixed(chat.ChatLoader(answered.train, mbs - mbs // 2, pad_id=pad, seed=seed),
                                    chat.ChatLoader(unanswered, mbs // 2, pad_id=pad, seed=seed), pad)}
     if "self_distill" in task.recipes:  # the labelled answers as the self-teacher's privileged prompts
@@ -159,9 +186,12 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
     def train(name: str, start: str, loss: Any, batches: str, steps: int, on_policy: OnPolicyConfig | None = None):
         training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
                                        on_policy=on_policy or OnPolicyConfig())
+        if name in REWARD_RECIPES:
+            training = dataclasses.replace(training, rewards=RewardsConfig(functions=(RewardSpec(name=task.name),)))
         teachers = {"teachers": [SELF_TEACHER]} if name == "self_distill" else {"teacher": config.teacher}
-        distiller = Distiller(start, **teachers, loss=loss, training=training,
-                              deepspeed=run_config.deepspeed_settings(config), data=DataFacts(kind="chat"))
+        distiller = Distiller(start, **teachers, loss=loss, training=training, tokenizer=config.tokenizer or
+                              config.teacher, deepspeed=run_config.deepspeed_settings(config),
+                              data=DataFacts(kind="chat"))
         distiller.train(data[batches]())
         return distiller
 
@@ -188,7 +218,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
     def check(name: str, model: torch.nn.Module) -> float:
         """The checker's exact match on the held-out prompts; each answer and verdict go to ``answers/<name>.jsonl``
         (``doc_id`` as in the harness's samples, for comparing them example by example)."""
-        checked = checked_answers(model, tokenizer, heldout, task.max_new_tokens)
+        checked = checked_answers(model, tokenizer, heldout, task.max_new_tokens, module.check)
         (out / "answers").mkdir(parents=True, exist_ok=True)
         (out / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in checked))
         return accuracy(checked)
@@ -202,6 +232,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
 
     steps, warm = config.training.max_steps, min(task.warm_start_steps, config.training.max_steps)
     on_policy = dataclasses.replace(sampling, fraction=1.0, sampler="student")
+    grouped = dataclasses.replace(on_policy, samples_per_prompt=task.samples_per_prompt)
     recipes = {
         "sft": lambda: ("cross_entropy", "labelled", None, 0),
         "forward_kl": lambda: ("forward_kl", "labelled", None, 0),
@@ -212,7 +243,8 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         "on_policy_forward_kl": lambda: ("forward_kl", "prompts", on_policy, warm),
         "mixed": lambda: ("reverse_kl", "mixed", dataclasses.replace(on_policy, fraction=0.5), 0),
         "self_distill": lambda: ("forward_kl", "labelled_privileged", on_policy, warm),
-    }
+    } | {name: (lambda weights=weights: ({"name": "policy_gradient", **weights}, "prompt_groups", grouped, warm))
+         for name, weights in REWARD_RECIPES.items()}
     rows: list[dict[str, Any]] = []
     warm_start: tuple[str, float] | None = None
     for name in task.recipes:
@@ -307,6 +339,26 @@ def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     best = max((r for r in rows if r["recipe"] not in ("teacher", "sft")), key=lambda r: r["exact_match"],
                default=None)
     return {"rows": rows, "best": best["recipe"] if best else None}
+
+
+def teacher_helps(per_seed: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Whether the teacher helped, per seed (None when the recipes to compare did not all run): ``opd`` above the
+    ``fixed_advantage`` control (its teacher did more than push every sampled token down), and ``opd_reward`` at or
+    above the better of ``opd`` and ``grpo`` (the teacher and the reward together beat either alone); each a list of
+    booleans in the order of the seeds, with ``all`` over them."""
+    def at(entry: dict[str, Any], name: str) -> float | None:
+        return next((row["exact_match"] for row in entry["rows"] if row["recipe"] == name), None)
+
+    verdicts: dict[str, Any] = {}
+    comparisons = {"opd_over_fixed_advantage": (("opd",), ("fixed_advantage",), False),
+                   "opd_reward_over_best_of_opd_grpo": (("opd_reward",), ("opd", "grpo"), True)}
+    for key, (mine, others, ties) in comparisons.items():
+        values = [([at(e, n) for n in mine], [at(e, n) for n in others]) for e in per_seed]
+        if any(v is None for a, b in values for v in a + b):
+            continue
+        per = [a[0] >= max(b) if ties else a[0] > max(b) for a, b in values]
+        verdicts[key] = {"per_seed": per, "all": all(per)}
+    return verdicts or None
 
 
 def over_seeds(name: str, values: list[float]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from distill_kit.config import TrainingConfig
 from distill_kit.engines import distributed, schedule
-from distill_kit.errors import TeacherUnavailable
+from distill_kit.errors import RewardFailed, TeacherUnavailable
 from distill_kit.training import checkpoint, nonfinite, preemption
 from losses import LossOutput
 from losses.base import valid_positions
@@ -124,28 +124,31 @@ class Trainer:
                         disable=not distributed.is_main(), dynamic_ncols=True)
         with preemption.StopRequest(self.device) as stop:
             while self.step < until:
-                before = self._position()  # where a step the teacher could not finish starts again
-                step_batches = self.make_batches([self._next(micro_batches)
-                                                  for _ in range(self.training.gradient_accumulation_steps)])
-                self.micro_batches_seen += len(step_batches)
-                normalizer = loss_normalizer(step_batches, self.device)
-                started = time.perf_counter()
-                # The lr this step uses: read before the engines step, which moves each to the next step's.
-                lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
+                before = self._position()  # where a step the teacher or a reward could not finish starts again
                 sums: dict[str, torch.Tensor] = {}
                 try:
+                    step_batches = self.make_batches([self._next(micro_batches)
+                                                      for _ in range(self.training.gradient_accumulation_steps)])
+                    self.micro_batches_seen += len(step_batches)
+                    normalizer = loss_normalizer(step_batches, self.device)
+                    sequences = sequence_normalizer(step_batches, self.device)
+                    started = time.perf_counter()
+                    # The lr this step uses: read before the engines step, which moves each to the next step's.
+                    lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
                     for index, batch in enumerate(step_batches):
                         # the next micro-batch, whose teacher outputs a teacher outside the processes may start on
                         self.upcoming = (step_batches[index + 1] if index + 1 < len(step_batches) else
                                          self._read_ahead(micro_batches) if self.step + 1 < until else None)
-                        for name, loss in self.micro_batch({**batch, "loss_normalizer": normalizer}).items():
+                        normalizers = {"loss_normalizer": normalizer, "sequence_normalizer": sequences}
+                        for name, loss in self.micro_batch({**batch, **normalizers}).items():
                             for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
                                 key = _key(name, part)
                                 sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
-                except TeacherUnavailable as err:
+                except (TeacherUnavailable, RewardFailed) as err:
                     self._ahead = None
                     self._restore_position(before)  # this step never happened: its checkpoint is the last whole one
-                    self.stopped_by = f"the teacher being unavailable ({err})"
+                    self.stopped_by = (f"the teacher being unavailable ({err})" if isinstance(err, TeacherUnavailable)
+                                       else f"a reward failing ({err})")
                     break
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
                 record = dict(zip(sums, means.tolist(), strict=True)) | lrs
@@ -352,6 +355,15 @@ def loss_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Te
     changes the loss (see ``losses/base.py``). Every model of a group divides by the same one.
     """
     local = sum(valid_positions(batch).sum() for batch in step_batches)
+    total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
+    return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
+
+
+def sequence_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Tensor:
+    """Rows with a counted token in the whole step (all micro-batches, all ranks) per micro-batch per rank: what a
+    loss averaged per sequence (``policy_gradient`` with ``level: sequence``) divides its sum of per-row means by,
+    as :func:`loss_normalizer` is for a per-token mean."""
+    local = sum(valid_positions(batch).any(dim=1).sum() for batch in step_batches)
     total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
     return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
 

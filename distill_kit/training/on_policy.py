@@ -79,6 +79,7 @@ class Sampler:
         if self.config.fraction == 0:
             return dict(batch)
         refuse_packed(batch, self.config.fraction)
+        batch = repeat_rows(batch, self.config.samples_per_prompt)
         rows = self.choose_rows(batch)
         prompts = [prompt_of(batch, int(row)) for row in rows]
         samples = self.generate(prompts if prompts or not self.synced else [prompt_of(batch, 0)])[:len(prompts)]
@@ -91,6 +92,7 @@ class Sampler:
             return [self(batch) for batch in batches]
         for batch in batches:
             refuse_packed(batch, self.config.fraction)
+        batches = [repeat_rows(batch, self.config.samples_per_prompt) for batch in batches]
         rows = [self.choose_rows(batch) for batch in batches]
         prompts = [[prompt_of(batch, int(row)) for row in chosen] for batch, chosen in zip(batches, rows, strict=True)]
         samples = iter(self.generate_batched([p for group in prompts for p in group], prompt_of(batches[0], 0)))
@@ -277,6 +279,16 @@ def teacher_liger(config: OnPolicyConfig) -> dict[str, bool]:
     layer index until its limit (8) and runs the others eagerly (the cost: benchmarks/RESULTS.md). The teacher
     keeps Liger's RMSNorm and SwiGLU."""
     return {"rope": False} if student_samples(config) else {}
+
+
+def repeat_rows(batch: Mapping[str, Any], times: int) -> Batch:
+    """Each row ``times`` times, its copies side by side (``samples_per_prompt``: a group of samples of one prompt,
+    in one generate call); every per-row tensor of the batch (``teacher_id`` too) alike."""
+    if times == 1:
+        return dict(batch)
+    rows = batch["input_ids"].shape[0]
+    return {k: v.repeat_interleave(times, dim=0) if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
+            for k, v in batch.items()}
 
 
 def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, k
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
 from distill_kit.teachers.residency import PagingPlan
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
+from distill_kit.training import rewarding
 from distill_kit.training.on_policy import positions
 from losses import DistillationLoss, build_loss
 
@@ -81,6 +82,8 @@ class Plan:
     paging: PagingPlan | None = None
     """With ``training.teacher_residency: paged``: each teacher's bytes, where it is kept and the device slots
     (``teachers/residency.py``)."""
+    rewards: list[Any] = field(default_factory=list)
+    """``training.rewards``' functions, resolved and their signatures checked (``training/rewarding.py``)."""
 
     @property
     def need_attentions(self) -> bool:
@@ -137,6 +140,9 @@ def make_plan(
         except ConfigError as err:
             problems.append(str(err))
     problems += _loss_needs(losses, teachers, cards)
+    rewards, found = rewarding.plan_rewards(training.rewards, losses, training.on_policy, [t.name for t in teachers],
+                                            {name: card.dense for name, card in cards.items()}, combine)
+    problems += found
     if not teachers:
         needing = sorted(name for name, loss in losses.items() if loss.needs_teacher)
         if needing:
@@ -183,7 +189,7 @@ def make_plan(
     if paging is not None:
         notes.append(paging.describe())
     return Plan(list(students), list(teachers), training, cards, student_configs, losses, student_ds, teacher_ds,
-                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging)
+                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging, rewards)
 
 
 def _raise(problems: list[str]) -> None:
