@@ -7,10 +7,13 @@ Two measurements, on random-initialised models (speed depends on shapes, not wei
   never samples its end token, so every row runs to the end), for each ``--gen-cache`` variant at each
   ``--gen-batch``;
 * ``step``: the Distiller with its ZeRO-2 student and ZeRO-3 teacher on rows of ``prompt + answer``, one run per
-  ``--runs`` entry ``mode/micro_batch/gradient_accumulation/generation_batch_size``: mode ``off`` (the data's
-  answers) or ``on`` (fraction 1: the student samples every answer, the teacher scores them); the runs share one
-  teacher engine. Reported per GPU: trained tokens/s (answer tokens the loss counts, and all tokens forwarded),
-  and the share of the step spent making its batches (sampling).
+  ``--runs`` entry ``mode/micro_batch/gradient_accumulation/generation_batch_size[/samples_per_prompt]``: mode
+  ``off`` (the data's answers), ``on`` (fraction 1: the student samples every answer, the teacher scores them,
+  forward KL), ``opd`` (the same samples, ``policy_gradient`` with the teacher's advantage only) or ``opd_reward``
+  (the same with a reward: ``training.rewards`` scores every sample, decoded by a word-level tokenizer of the
+  student's vocabulary, and its group advantage joins the teacher's); the runs share one teacher engine. Reported
+  per GPU: trained tokens/s (answer tokens the loss counts, and all tokens forwarded), the share of the step spent
+  making its batches (sampling, and scoring with rewards) and, with rewards, the share spent in the rewards.
 
 Results go to ``<out>/<name>.json``, rewritten after each measurement (a run cut short keeps what it measured).
 
@@ -20,12 +23,14 @@ GPU (one H200, as recorded in benchmarks/RESULTS.md; ``torchrun --nproc_per_node
         --gen-cache static static-repeat-kv static-eager --out runs/on_policy --name gen --skip step
     python benchmarks/bench_on_policy.py --pair qwen2-7b-0.5b --skip generate \
         --runs off/16/1/0 on/16/1/0 off/16/4/0 on/16/4/64 --warmup 1 --steps 3 --out runs/on_policy --name step
+    python benchmarks/bench_on_policy.py --pair qwen2-7b-0.5b --skip generate \
+        --runs opd/64/1/0/8 opd_reward/64/1/0/8 --warmup 1 --steps 3 --out runs/on_policy --name rewards
 
 CPU smoke::
 
     python benchmarks/bench_on_policy.py --pair tiny --prompt-len 8 --new-tokens 8 --gen-batch 2 3 \
-        --gen-cache static dynamic static-eager --runs off/2/1/0 on/2/1/0 on/2/2/3 --warmup 1 --steps 1 \
-        --dtype fp32 --out /tmp/bench_on_policy
+        --gen-cache static dynamic static-eager --runs off/2/1/0 on/2/1/0 on/2/2/3 opd/4/1/0/2 opd_reward/4/1/0/2 \
+        --warmup 1 --steps 1 --dtype fp32 --out /tmp/bench_on_policy
 """
 
 from __future__ import annotations
@@ -42,9 +47,35 @@ import torch
 import transformers
 
 from distill_kit import Distiller, TrainingConfig
-from distill_kit.config import CONFIG_DIR
+from distill_kit.config import CONFIG_DIR, RewardsConfig, RewardSpec
 from distill_kit.engines import deepspeed_config, distributed
+from distill_kit.rewards import register
 from distill_kit.training.on_policy import OnPolicyConfig, Sampler
+from distill_kit.training.plan import DataFacts
+
+MODES = {"off": "forward_kl", "on": "forward_kl", "opd": {"name": "policy_gradient", "teacher": 1.0, "reward": 0.0},
+         "opd_reward": {"name": "policy_gradient", "teacher": 1.0, "reward": 1.0}}
+"""Each run's loss by mode; every mode but ``off`` samples every answer."""
+
+
+@register("bench_digits")
+def bench_digits(prompt: str, completion: str) -> float:
+    """The reward of the opd_reward runs: a text check of the cost of a task checker (the share of the sample's
+    words that end in an even digit; a random student's samples vary in it)."""
+    words = completion.split()
+    return sum(word[-1:] in "02468" for word in words) / max(len(words), 1)
+
+
+def word_tokenizer(vocab_size: int, directory: Path) -> str:
+    """A word-level tokenizer of ``vocab_size`` words ``w0 w1 ...`` saved to ``directory``: what the rewards decode
+    samples with (the benchmark's models are random and ship no tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(directory)
+    return str(directory)
 
 
 def sync(device: torch.device) -> None:
@@ -102,6 +133,7 @@ class Timed(Distiller):
     """The Distiller, with the time spent making the step's batches (the sampling) added up."""
 
     make_batch_s = 0.0
+    reward_s = 0.0
 
     def make_batches(self, batches):
         sync(self.device)
@@ -111,33 +143,47 @@ class Timed(Distiller):
         self.make_batch_s += time.perf_counter() - started
         return made
 
+    def _rewarder(self, tokenizer):
+        rewarder = super()._rewarder(tokenizer)
+        return None if rewarder is None else lambda batch, where="": self._timed(rewarder, batch, where)
+
+    def _timed(self, rewarder, batch, where):
+        started = time.perf_counter()  # the rewards run on the host, on tensors the sampler already synchronised
+        out = rewarder(batch, where)
+        self.reward_s += time.perf_counter() - started
+        return out
+
 
 def measure_step(args, device: torch.device, run: str, teacher, student) -> tuple[dict, Timed]:
     """One run ``mode/micro_batch/accumulation/generation_batch``: mode ``off`` (the data's answers) or ``on``
     (fraction 1: the student samples every answer). ``teacher`` is an engine from an earlier run, or None;
     ``student`` a fresh student model built before any run (see ``main``)."""
-    mode, micro_batch, accumulation, generation_batch = run.split("/")
+    mode, micro_batch, accumulation, generation_batch, *group = run.split("/")
     micro_batch, accumulation, generation_batch = int(micro_batch), int(accumulation), int(generation_batch)
-    on_policy = mode == "on"
+    group = int(group[0]) if group else 1
+    on_policy = mode != "off"
     pair = pairs.PAIRS[args.pair]
     sampling = OnPolicyConfig(fraction=1.0 if on_policy else 0.0, max_new_tokens=args.new_tokens, temperature=1.0,
-                              generation_batch_size=generation_batch,
+                              generation_batch_size=generation_batch, samples_per_prompt=group,
                               eos_token_id=pair.student.vocab_size - 1, pad_token_id=0)
+    rewards = RewardsConfig(functions=(RewardSpec(name="bench_digits"),) if mode == "opd_reward" else ())
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=micro_batch,
                               gradient_accumulation_steps=accumulation, dtype=args.dtype, lr=1e-5,
-                              log_every=10**9, on_policy=sampling)
+                              log_every=10**9, on_policy=sampling, rewards=rewards)
     student_cfg, teacher_cfg = deepspeed_config.prepare_pair(
         CONFIG_DIR / "zero2_student.json", CONFIG_DIR / "zero3_teacher.json", training,
         student_hidden_size=pair.student.hidden_size, teacher_hidden_size=pair.teacher.hidden_size,
         world_size=distributed.world_size())
     teacher_model = pairs.build(pair.teacher, teacher_cfg, args.dtype, device, "sdpa") if teacher is None else None
-    distiller = Timed(student, teacher_model if teacher is None else teacher, loss="forward_kl",
-                      training=training, student_ds_config=student_cfg, teacher_ds_config=teacher_cfg)
+    tokenizer = word_tokenizer(pair.student.vocab_size, args.out / "tokenizer") if rewards.on else None
+    distiller = Timed(student, teacher_model if teacher is None else teacher, loss=MODES[mode],
+                      training=training, student_ds_config=student_cfg, teacher_ds_config=teacher_cfg,
+                      tokenizer=tokenizer, data=DataFacts(kind="chat"))
     length = args.prompt_len + args.new_tokens
     generator = torch.Generator().manual_seed(args.seed + distributed.rank())
     batches = []
-    for _ in range(training.max_steps * accumulation):
-        ids = torch.randint(1, pair.student.vocab_size - 1, (micro_batch, length), generator=generator)
+    for _ in range(training.max_steps * accumulation):  # with groups: micro_batch / G prompts, each sampled G times
+        ids = torch.randint(1, pair.student.vocab_size - 1, (micro_batch // group, length), generator=generator)
         labels = ids.clone()
         labels[:, :args.prompt_len] = -100  # the prompt; on-policy replaces the answer with a sample
         batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
@@ -146,17 +192,18 @@ def measure_step(args, device: torch.device, run: str, teacher, student) -> tupl
     distiller.train(batches, until=args.warmup)
     sync(device)
     warmup = time.perf_counter() - started
-    distiller.make_batch_s = 0.0
+    distiller.make_batch_s = distiller.reward_s = 0.0
     started = time.perf_counter()
     distiller.train(batches)
     sync(device)
     seconds = (time.perf_counter() - started) / args.steps
     rows = micro_batch * accumulation
-    result = {"mode": "on-policy" if on_policy else "off-policy", "micro_batch": micro_batch,
+    result = {"mode": mode, "samples_per_prompt": group, "micro_batch": micro_batch,
               "gradient_accumulation_steps": accumulation, "generation_batch_size": generation_batch,
               "warmup_s": warmup, "step_s": seconds, "answer_tokens_per_s_per_gpu": rows * args.new_tokens / seconds,
               "tokens_per_s_per_gpu": rows * length / seconds,
               "generating_share": distiller.make_batch_s / args.steps / seconds,
+              "reward_share": distiller.reward_s / args.steps / seconds,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
     if hasattr(distiller.student, "destroy"):
         distiller.student.destroy()  # the teacher engine stays: the next run shares it
@@ -174,8 +221,8 @@ def main() -> None:
                         choices=["static", "static-repeat-kv", "static-eager", "dynamic"])
     parser.add_argument("--gen-repeats", type=int, default=2, help="timed calls per point (the fastest is kept)")
     parser.add_argument("--runs", nargs="+", default=["off/16/1/0", "on/16/1/0"],
-                        help="step runs, each mode/micro_batch/gradient_accumulation/generation_batch_size, "
-                             "mode off or on")
+                        help="step runs, each mode/micro_batch/gradient_accumulation/generation_batch_size"
+                             "[/samples_per_prompt], mode off, on, opd or opd_reward")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dtype", default="bf16")

@@ -165,7 +165,8 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         pad = chat.pad_id_of(tokenizer)
         packing = {"packing": data_config.packing is True, "block_size": data_config.block_size}
         samples = config.training.on_policy.fraction > 0  # the sampler reads unpacked rows, then packs (pack_to)
-        loaders = (chat.ChatLoader(splits.train, mbs, pad_id=pad, rank=rank, world_size=world, seed=seed, route=route,
+        prompts = mbs // config.training.on_policy.samples_per_prompt  # each sampled G times: mbs rows trained on
+        loaders = (chat.ChatLoader(splits.train, prompts, pad_id=pad, rank=rank, world_size=world, seed=seed, route=route,
                                    **packing | ({"packing": False} if samples else {})),
                    chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                    drop_last=False, route=route, **packing))

@@ -160,7 +160,7 @@ class Trainer:
                     self.history.append(record)
                     progress.update(1)
                     tokens = float(normalizer) * len(step_batches) * distributed.world_size()
-                    progress.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k.endswith("loss")}
+                    progress.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k.endswith(("loss", "reward_mean"))}
                                          | {"tok/s": f"{tokens / (time.perf_counter() - started):,.0f}"})
                     if self.on_record is not None:
                         self.on_record(record)

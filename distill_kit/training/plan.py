@@ -141,7 +141,8 @@ def make_plan(
             problems.append(str(err))
     problems += _loss_needs(losses, teachers, cards)
     rewards, found = rewarding.plan_rewards(training.rewards, losses, training.on_policy, [t.name for t in teachers],
-                                            {name: card.dense for name, card in cards.items()}, combine)
+                                            {name: card.dense for name, card in cards.items()}, combine,
+                                            chat=data.kind == "chat")
     problems += found
     if not teachers:
         needing = sorted(name for name, loss in losses.items() if loss.needs_teacher)

@@ -78,11 +78,16 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 def plan_rewards(config: RewardsConfig, losses: Mapping[str, Any], on_policy: Any, teachers: Sequence[str],
-                 dense: Mapping[str, bool], combine: str) -> tuple[list[RewardFunction], list[str]]:
+                 dense: Mapping[str, bool], combine: str, chat: bool) -> tuple[list[RewardFunction], list[str]]:
     """The plan's part (``training/plan.py``): each reward resolved and its signature checked, and every way the
     run's rewards and ``policy_gradient`` losses cannot work together, each naming the key and the fix.
-    ``losses``: each student's loss; ``dense``: each teacher's, whether it returns a full distribution."""
+    ``losses``: each student's loss; ``dense``: each teacher's, whether it returns a full distribution; ``chat``:
+    the data is chat records (prompts to answer)."""
     problems, rewards = [], []
+    if config.on and not chat:
+        problems.append("training.rewards score answers to prompts, and the data is text (blocks with no prompt): "
+                        "give chat or prompt/completion records (data.format: chat; docs/chat.md; from Python, Distiller(..., "
+                        "data=DataFacts(kind='chat')))")
     for i, spec in enumerate(config.functions):
         key = f"training.rewards.functions[{i}]"
         try:

@@ -26,6 +26,7 @@ from distill_kit.engines import distributed  # noqa: E402
 from distill_kit.rewards import register  # noqa: E402
 from distill_kit.tasks import arithmetic  # noqa: E402
 from distill_kit.training.on_policy import OnPolicyConfig  # noqa: E402
+from distill_kit.training.plan import DataFacts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEACHER = ROOT / "distill_kit/assets/arithmetic/teacher"
@@ -93,7 +94,7 @@ class Recording(Distiller):
 
 
 def distiller(out: Path, loss, training: TrainingConfig = TRAINING, cls=Recording) -> Distiller:
-    return cls(str(student_folder(out)), str(TEACHER), loss=loss, training=training)
+    return cls(str(student_folder(out)), str(TEACHER), loss=loss, training=training, data=DataFacts(kind="chat"))
 
 
 def weight_zero(out: Path) -> None:
