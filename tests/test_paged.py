@@ -245,6 +245,7 @@ def test_the_next_start_removes_only_copies_whose_owner_is_gone(tmp_path, caplog
                                     tmp_path / "distill_kit_paged_a_7f00.bin"))
     assert f"removed {dead.path} (3.0 MiB)" in caplog.text
     assert "runs on other hosts, left as they are" in caplog.text and str(remote.path) in caplog.text
+    assert "1 file(s) named like an earlier distill-kit's disk copies (distill_kit_paged_a_7f00.bin" in caplog.text
     torch.manual_seed(0)
     pager.adopt("x", GPT2LMHeadModel(gpt2_config(width=32, layers=1)), kept="disk")
     own = pager.folder.path

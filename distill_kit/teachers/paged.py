@@ -331,6 +331,12 @@ def remove_abandoned(disk_dir: str | Path) -> list[tuple[Path, int]]:
     if elsewhere:
         logger.warning("paged teachers: %s holds disk copies of runs on other hosts, left as they are: %s; remove "
                        "each once its run has ended", disk_dir, "; ".join(elsewhere))
+    older = [p for p in Path(disk_dir).glob("distill_kit_paged_*.bin") if p.is_file() and not p.is_symlink()]
+    if older:  # an earlier version's copies, loose in disk_dir with no owner recorded: named, never removed
+        logger.warning("paged teachers: %s holds %d file(s) named like an earlier distill-kit's disk copies (%s, "
+                       "%.1f GiB), which recorded no owner and are left as they are: delete them if no run of that "
+                       "version is going", disk_dir, len(older), ", ".join(p.name for p in older[:3]),
+                       sum(p.stat().st_size for p in older) / 2**30)
     return removed
 
 
