@@ -46,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--teacher-options", default="{}",
                         help="a served teacher's options as YAML/JSON, e.g. '{api: vllm, api_key_env: KEY}' "
                              "(distill_kit/teachers/served.py); --k sets k")
-    parser.add_argument("--out", type=Path, required=True, help="the store folder (resumed if it holds a capture)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the store folder: new or empty, or this capture's store to resume it (same arguments)")
     parser.add_argument("--data", nargs="+", required=True, help="text/JSON(L)/Parquet files, or a hub dataset")
     parser.add_argument("--heldout", nargs="+", help="held-out files (default: a fraction of --data)")
     parser.add_argument("--split", choices=("train", "heldout"), default="train", help="which blocks to capture")
