@@ -126,8 +126,6 @@ class Pager:
         """Each disk-kept teacher's file."""
         self.folder: CopyFolder | None = None
         """This pager's folder in ``disk_dir`` (made at the first disk-kept teacher)."""
-        if self.disk_dir is not None:
-            remove_abandoned(self.disk_dir)
         self.slots: list[_Slot] = []
         self.bound: str | None = None
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -135,6 +133,8 @@ class Pager:
         self.staging: list[torch.Tensor] = []
         self.staging_free: list[Any] = [None, None]
         self.stats = {"switches": 0, "bytes_moved": 0, "wait_s": 0.0, "prefetched": 0}
+        if self.disk_dir is not None:  # what killed runs left there
+            remove_abandoned(self.disk_dir)
 
     # ---- taking teachers off the device ----------------------------------------------------------------
 
@@ -331,12 +331,16 @@ def remove_abandoned(disk_dir: str | Path) -> list[tuple[Path, int]]:
     if elsewhere:
         logger.warning("paged teachers: %s holds disk copies of runs on other hosts, left as they are: %s; remove "
                        "each once its run has ended", disk_dir, "; ".join(elsewhere))
-    older = [p for p in Path(disk_dir).glob("distill_kit_paged_*.bin") if p.is_file() and not p.is_symlink()]
+    try:
+        older = [(p, p.stat().st_size) for p in Path(disk_dir).glob("distill_kit_paged_*.bin")
+                 if p.is_file() and not p.is_symlink()]
+    except OSError:
+        older = []
     if older:  # an earlier version's copies, loose in disk_dir with no owner recorded: named, never removed
         logger.warning("paged teachers: %s holds %d file(s) named like an earlier distill-kit's disk copies (%s, "
                        "%.1f GiB), which recorded no owner and are left as they are: delete them if no run of that "
-                       "version is going", disk_dir, len(older), ", ".join(p.name for p in older[:3]),
-                       sum(p.stat().st_size for p in older) / 2**30)
+                       "version is going", disk_dir, len(older), ", ".join(p.name for p, _ in older[:3]),
+                       sum(size for _, size in older) / 2**30)
     return removed
 
 
