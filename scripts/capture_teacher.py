@@ -8,7 +8,9 @@ removes the teacher's forward and its weights from every training step. Run it o
 
 The blocks are built by ``distill_kit.data.blocks`` from the data flags below; a training run uses the same
 store only with the same blocks (same files, tokenizer, block size, packing, held-out split and seed),
-and refuses it otherwise. A stopped capture resumes when run again with the same arguments.
+and refuses it otherwise. A stopped capture resumes when run again with the same arguments (there is no --resume
+flag: the folder says what was done). ``--out`` must be a new or empty folder, or that capture's store: a folder of
+other files, or a store started with other arguments, is refused before anything loads.
 
 ``--teacher`` may be a teacher server's URL (``scripts/serve_teacher.py``, vLLM, SGLang): the same store is filled
 through the served-teacher client (``distill_kit/teachers/served_capture.py``); give ``--tokenizer``::
@@ -30,7 +32,7 @@ from distill_kit.config import CONFIG_DIR, _safe_load
 from distill_kit.data.blocks import DataConfig, build_splits
 from distill_kit.engines import distributed
 from distill_kit.errors import ConfigError, DataError, DeepSpeedConfigError
-from distill_kit.offline.capture import CaptureConfig, capture
+from distill_kit.offline.capture import CaptureConfig, capture, out_problem
 from distill_kit.offline.store import Manifest
 from distill_kit.teachers import served_capture
 from distill_kit.teachers.served import is_url
@@ -44,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--teacher-options", default="{}",
                         help="a served teacher's options as YAML/JSON, e.g. '{api: vllm, api_key_env: KEY}' "
                              "(distill_kit/teachers/served.py); --k sets k")
-    parser.add_argument("--out", type=Path, required=True, help="the store folder (resumed if it holds a capture)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the store folder: new or empty, or this capture's store to resume it (same arguments)")
     parser.add_argument("--data", nargs="+", required=True, help="text/JSON(L)/Parquet files, or a hub dataset")
     parser.add_argument("--heldout", nargs="+", help="held-out files (default: a fraction of --data)")
     parser.add_argument("--split", choices=("train", "heldout"), default="train", help="which blocks to capture")
@@ -78,7 +81,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     try:
         manifest = run(args)
-    except (ConfigError, DataError, DeepSpeedConfigError) as err:
+    except (ConfigError, DataError, DeepSpeedConfigError, served_capture.CaptureStopped) as err:
         raise SystemExit(f"capture_teacher.py: {err}") from None
     if distributed.is_main():
         print(json.dumps({"store": str(args.out), **manifest.stats}, indent=2))
@@ -93,6 +96,14 @@ def run(args: argparse.Namespace) -> Manifest:
     options = _safe_load(args.teacher_options, "--teacher-options")
     if not isinstance(options, dict):
         raise ConfigError(f"--teacher-options {args.teacher_options!r}: give a mapping, e.g. '{{api: vllm}}'")
+    hidden_layers = tuple(int(i) for i in args.hidden_layers.split(",") if i.strip())
+    # The folder, before anything loads (every rank, before any rank can write): what the arguments fix already.
+    known = {"teacher": args.teacher, "k": args.k, "values_dtype": args.values_dtype,
+             "hidden_layers": tuple(sorted(hidden_layers)), "hidden_dtype": args.hidden_dtype,
+             "micro_batch_size": args.micro_batch_size, "batches_per_part": args.batches_per_part}
+    problem = out_problem(args.out, known)
+    if problem:
+        raise ConfigError(problem)
     distributed.init()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
     data = DataConfig(train=args.data, heldout=args.heldout, heldout_fraction=args.heldout_fraction,
@@ -101,7 +112,7 @@ def run(args: argparse.Namespace) -> Manifest:
     splits = build_splits(data, tokenizer)
     config = CaptureConfig(
         k=args.k, values_dtype=args.values_dtype,
-        hidden_layers=tuple(int(i) for i in args.hidden_layers.split(",") if i.strip()),
+        hidden_layers=hidden_layers,
         hidden_dtype=args.hidden_dtype, micro_batch_size=args.micro_batch_size,
         batches_per_part=args.batches_per_part, dtype=args.dtype,
         teacher_precision=args.teacher_precision,

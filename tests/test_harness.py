@@ -242,3 +242,38 @@ def test_a_bad_harness_setting_in_a_task_benchmark_is_refused_before_any_write(t
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
     assert "pip install 'distill-kit[eval]'" in _main_error(*run, "--eval.harness.tasks", "[distill_kit_arithmetic]")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["--eval.harness.num_fewshot", "3"], "eval.harness.num_fewshot: 3 puts 3 solved examples before each prompt"),
+    (["--eval.harness.apply_chat_template", "false"], "eval.harness.apply_chat_template: false sends each prompt "
+                                                      "without the chat template")])
+def test_a_harness_setting_that_changes_what_is_scored_is_refused_in_a_task_benchmark(tmp_path, setting, message):
+    """Beside the checker's column, the harness must ask the same zero-shot chat prompts: a setting that changes
+    them is refused by the run config, before any write, naming the key and why; in a run without task.name, or
+    with only the harness's own tasks, it is the user's to choose."""
+    run = ["--config", str(ROOT / "configs/arithmetic.yaml"), "--output_dir", str(tmp_path / "run"),
+           "--task.seeds", "[0]"]
+    error = _main_error(*run, "--eval.harness.tasks", "[distill_kit_sorting, gsm8k]", *setting)
+    assert message in error and "in a task benchmark the harness scores ['distill_kit_sorting'] beside the checker" \
+        in error and f"drop {setting[0].removeprefix('--')}" in error
+    assert not (tmp_path / "run").exists()
+    assert run_config.load(str(ROOT / "configs/arithmetic.yaml"), ["--eval.harness.tasks", "[gsm8k]", *setting])
+    assert run_config.load(None, ["--eval.harness.tasks", "[distill_kit_arithmetic]", *setting])
+    assert run_config.load(str(ROOT / "configs/arithmetic.yaml"), ["--eval.harness.tasks", "[distill_kit_arithmetic]",
+                                                                   "--eval.harness.num_fewshot", "0"])
+
+
+def test_a_served_teacher_is_left_out_of_the_harness_with_a_note(tmp_path, caplog):
+    """The harness loads weights from a folder; a teacher given as a server's URL (alone, or among teachers) is not
+    taken for one after training: its row is left out, with a note, and the students are scored."""
+    out = run_folder(tmp_path / "run", {"s": lambda folder: AutoModelForCausalLM.from_pretrained(TEACHER)
+                                        .save_pretrained(folder)})
+    with caplog.at_level("WARNING", logger=harness.__name__):
+        found = harness.models(out, run_config={"teacher": "http://127.0.0.1:8100", "tokenizer": str(TEACHER)})
+        assert [(m.name, m.role) for m in found] == [("s", "student")]
+        several = {"teachers": [{"name": "far", "model": "https://teacher.example:8443"},
+                                {"name": "near", "model": str(TEACHER)}]}
+        found = harness.models(out, run_config=several)
+    assert [(m.name, m.role) for m in found] == [("near", "teacher"), ("s", "student")]
+    assert "teacher 'teacher' is served (http://127.0.0.1:8100)" in caplog.text and "'far' is served" in caplog.text

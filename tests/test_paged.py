@@ -8,6 +8,13 @@ same code as on a GPU).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +23,7 @@ from transformers import GPT2LMHeadModel
 
 from distill_kit import DeepSpeedSettings, Distiller, StudentSpec, TeacherSpec, TrainingConfig
 from distill_kit.errors import ConfigError
-from distill_kit.teachers import kinds, residency
+from distill_kit.teachers import kinds, paged, residency
 from distill_kit.teachers.paged import Layout, Pager
 from distill_kit.training.plan import make_plan
 
@@ -183,3 +190,101 @@ def test_the_plan_refuses_paging_without_route_and_resident_teachers_the_device_
     made = plan(models, monkeypatch, residency.Memory(device=GIB, host=GIB), teacher_residency="offload")
     offload = made.teacher_ds_configs["a"]["zero_optimization"]
     assert offload["stage"] == 3 and offload["offload_param"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_the_disk_dir_must_be_writable_and_is_refused_before_anything_is_written(models, monkeypatch, tmp_path):
+    """A read-only disk_dir (a read-only mount refuses even root, so os.access is faked here) is the plan's
+    refusal, made before the Distiller builds anything and before the CLI claims its output folder: nothing is
+    written in disk_dir. A disk_dir no teacher is kept in is not asked about."""
+    denied = str(tmp_path)
+    real_access = os.access
+    monkeypatch.setattr(residency.os, "access", lambda path, mode: str(path) != denied and real_access(path, mode))
+    memory = residency.Memory(device=GIB, host=0)  # nothing pinned: every teacher to disk
+    with pytest.raises(ConfigError, match=r"training.teacher_paging.disk_dir: '.*' cannot be written to .* teachers "
+                                          r"\['a', 'b', 'c'\] .* point disk_dir at a folder this user can write"):
+        plan(models, monkeypatch, memory, teacher_residency="paged", teacher_paging={"disk_dir": denied})
+    training = dataclasses.replace(TRAINING, teacher_residency="paged", teacher_paging={"disk_dir": denied})
+    with pytest.raises(ConfigError, match="cannot be written to"):
+        Distiller(students=[StudentSpec(name="s", model=models["student"])], teachers=teacher_specs(models),
+                  combine="route", training=training)
+    assert list(tmp_path.iterdir()) == []
+    roomy = residency.Memory(device=GIB, host=100 * GIB)  # every teacher pinned: disk_dir unused
+    assert set(plan(models, monkeypatch, roomy, teacher_residency="paged",
+                    teacher_paging={"disk_dir": denied}).paging.kept.values()) == {"host"}
+
+
+def _dies(folder: paged.CopyFolder) -> None:
+    """What a kill -9 leaves: the folder, its lock released by the kernel, no exit handler run."""
+    folder._finalizer.detach()
+    os.close(folder.lock)
+
+
+def test_the_next_start_removes_only_copies_whose_owner_is_gone(tmp_path, caplog):
+    """In disk_dir: a dead run's copies (marker, free lock), a live run's (lock held, here by this process through
+    another open file), one from another host, the user's folder named like a pager's but without the marker, and
+    the user's other files. A new pager removes the dead run's copies alone and logs them with their size; its own
+    copies go when it closes."""
+    dead = paged.CopyFolder(tmp_path)
+    (dead.path / "a.bin").write_bytes(bytes(3 * 2**20))
+    _dies(dead)
+    live = paged.CopyFolder(tmp_path)
+    (live.path / "b.bin").write_bytes(b"live")
+    remote = paged.CopyFolder(tmp_path)
+    marker = remote.path / paged.MARKER
+    marker.write_text(marker.read_text().replace('"host": "', '"host": "another-host-'))
+    _dies(remote)
+    lookalike = tmp_path / f"{paged.PREFIX}4242-mine"
+    lookalike.mkdir()
+    (lookalike / paged.LOCK).write_text("")  # a lock file but no marker: not the project's
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "distill_kit_paged_a_7f00.bin").write_bytes(b"a user's file")
+    with caplog.at_level(logging.WARNING, logger=paged.__name__):
+        pager = Pager(torch.device("cpu"), disk_dir=tmp_path)
+    assert not dead.path.exists()
+    assert all(p.exists() for p in (live.path / "b.bin", remote.path, lookalike, tmp_path / "notes",
+                                    tmp_path / "distill_kit_paged_a_7f00.bin"))
+    assert f"removed {dead.path} (3.0 MiB)" in caplog.text
+    assert "runs on other hosts, left as they are" in caplog.text and str(remote.path) in caplog.text
+    assert "1 file(s) named like an earlier distill-kit's disk copies (distill_kit_paged_a_7f00.bin" in caplog.text
+    torch.manual_seed(0)
+    pager.adopt("x", GPT2LMHeadModel(gpt2_config(width=32, layers=1)), kept="disk")
+    own = pager.folder.path
+    assert (own / "x.bin").is_file() and (own / paged.MARKER).is_file()
+    assert paged.remove_abandoned(tmp_path) == []  # a live pager's folder (and the live run's) are kept
+    pager.close()
+    assert not own.exists() and live.path.exists()
+    live.remove()
+    assert not live.path.exists()
+
+
+KILLED = """
+import sys, time, torch
+from torch import nn
+from distill_kit.teachers.paged import Pager
+pager = Pager(torch.device("cpu"), disk_dir=sys.argv[1])
+pager.adopt("t", nn.Linear(64, 64), kept="disk")
+print("FOLDER", pager.folder.path, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_killed_with_sigkill_leaves_copies_the_next_start_removes(tmp_path):
+    """A real process holding a pager's disk copy, killed with SIGKILL (no handler runs): its folder stays, and the
+    next pager on the same disk_dir removes it."""
+    process = subprocess.Popen([sys.executable, "-c", KILLED, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                               env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        line = next(line for line in process.stdout if line.startswith("FOLDER "))  # after any import's chatter
+        folder = Path(line.removeprefix("FOLDER ").strip())
+        assert (folder / "t.bin").is_file()
+        pager = Pager(torch.device("cpu"), disk_dir=tmp_path)  # the owner lives: kept
+        assert folder.exists()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while folder.exists() and time.monotonic() < deadline:  # the kernel releases the lock as the process goes
+        Pager(torch.device("cpu"), disk_dir=tmp_path).close()
+        time.sleep(0.1)
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+    pager.close()

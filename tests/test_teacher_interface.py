@@ -135,6 +135,21 @@ def test_python_refuses_the_same_uses_before_loading(tiny):
                   teachers=[TeacherSpec(name="a", model=FIXED, options={"k": 3})])
 
 
+def test_an_attention_loss_is_refused_without_suggesting_a_store(tiny):
+    """A store or a server holds no attentions: the refusal names an in-process engine only (hidden states: a store
+    captured with --hidden-layers too)."""
+    for loss, what, fix in (("attention_kl", "attentions", "(an in-process engine: a store or a server holds no "
+                                                           "attentions)"),
+                            ("hidden_mse", "hidden states", "(an in-process engine; a store captured with "
+                                                            "--hidden-layers)")):
+        with pytest.raises(ConfigError) as caught:
+            Distiller(students=[StudentSpec(name="s", model=str(tiny["student"]),
+                                            loss={"name": loss, "layers": [[0, 0]]})],
+                      teachers=[TeacherSpec(**_teacher(tiny, TOP_K, "a"))])
+        assert f"students[s].loss reads the teacher's {what}, and teacher 'a'" in str(caught.value)
+        assert str(caught.value).endswith(fix)
+
+
 def test_each_model_config_is_read_once_per_run(tiny, tmp_path, monkeypatch):
     """The plan reads every model's config once (teacher card, student configs); the checks, the engines and the
     students' build read the plan's, never the folder again."""

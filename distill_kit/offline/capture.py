@@ -37,8 +37,17 @@ from distill_kit.engines import distributed, fingerprint, fp8, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.deepspeed_config import FrozenConfig, prepare
 from distill_kit.engines.models import ModelSource
+from distill_kit.errors import ConfigError
 from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
-from distill_kit.offline.store import Manifest, PartWriter, StoreSpec, block_key, completed_batches, store_stats
+from distill_kit.offline.store import (
+    MANIFEST,
+    Manifest,
+    PartWriter,
+    StoreSpec,
+    block_key,
+    completed_batches,
+    store_stats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +126,76 @@ def _on_main(compute: Callable[[], str]) -> str:
     return distributed.broadcast_object(compute() if distributed.is_main() else None)
 
 
-def start(root: Path, spec: StoreSpec, config: CaptureConfig) -> Manifest:
-    """Create the store, or check that the one there was started with this spec and layout (resume)."""
-    manifest = Manifest(spec, distributed.world_size(), config.micro_batch_size, config.batches_per_part)
-    if (root / "manifest.json").exists():
+FLAGS = {"teacher": "--teacher", "teacher_hash": "--teacher's weights", "teacher_config": "--teacher's config",
+         "tokenizer": "--tokenizer", "tokenizer_hash": "--tokenizer's vocabulary",
+         "dataset": "the blocks: --data, --heldout, --split, --block-size, --max-blocks, ...", "k": "--k",
+         "values_dtype": "--values-dtype", "hidden_layers": "--hidden-layers", "hidden_dtype": "--hidden-dtype",
+         "world_size": "the number of ranks", "micro_batch_size": "--micro-batch-size",
+         "batches_per_part": "--batches-per-part"}
+"""What sets each field of a store's manifest (``scripts/capture_teacher.py``'s flags), for the refusals' fixes."""
+
+
+def out_problem(root: str | Path, given: Mapping[str, Any]) -> str | None:
+    """Why the folder ``root`` cannot take this capture, or None: it is new, empty, or a store started with the same
+    ``given`` manifest fields (any of :data:`FLAGS`' names; the ones not known yet left out), which is resumed.
+
+    Refused: a file; a folder of other files (not a store: a capture never writes among a user's files); a store of
+    another format, or started with other arguments (each difference named, with the flag that sets it)."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        return (f"{root} is a file, not a folder: give --out a new folder (or a store's folder, to resume its "
+                "capture)")
+    if not root.exists():
+        return None
+    if not (root / MANIFEST).exists():
+        entries = sorted(p.name for p in root.iterdir())
+        if not entries:
+            return None
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        return (f"{root} is not a teacher store (no {MANIFEST}) and holds other files ({shown}); a capture will not "
+                "write into it: give --out a new or empty folder")
+    try:
         found = Manifest.load(root)
-        layout = ("world_size", "micro_batch_size", "batches_per_part")
-        differences = [f"{name}: store {getattr(found, name)}, now {getattr(manifest, name)}" for name in layout
-                       if getattr(found, name) != getattr(manifest, name)]
-        differences += [f"{name}: store {value!r}, now {getattr(spec, name)!r}"
-                         for name, value in vars(found.spec).items() if getattr(spec, name) != value]
-        if differences:
-            raise ValueError(
-                f"{root} holds a capture started differently, so it cannot be resumed:\n  - "
-                + "\n  - ".join(differences) + "\nUse another --out folder, or the arguments it was started with."
-            )
-        return found
-    if distributed.is_main():
+    except (ConfigError, OSError) as err:
+        return f"{err}; a capture will not write into it: give --out a new or empty folder"
+    differences = [_difference(name, _field(found, name), value) for name, value in given.items()
+                   if _field(found, name) != value]
+    if not differences:
+        return None
+    return (f"{root} holds a teacher store started with other arguments, so this capture cannot resume it:\n  - "
+            + "\n  - ".join(differences) + "\nGive --out another folder for these arguments, or the arguments the "
+            "store was started with to resume it.")
+
+
+def _field(manifest: Manifest, name: str) -> Any:
+    return getattr(manifest, name) if name in ("world_size", "micro_batch_size", "batches_per_part") else getattr(
+        manifest.spec, name)
+
+
+def _difference(name: str, stored: Any, now: Any) -> str:
+    """One line: the field, the store's value and this capture's, and the flag that sets it."""
+    if isinstance(stored, dict) and isinstance(now, dict):  # a model config: only the keys that differ
+        keys = sorted(k for k in stored.keys() | now.keys() if stored.get(k) != now.get(k))
+        stored, now = ({k: side.get(k) for k in keys[:4]} for side in (stored, now))
+    elif isinstance(stored, tuple) or isinstance(now, tuple):
+        stored, now = list(stored), list(now)
+    return f"{name}: store {stored!r}, now {now!r} ({FLAGS.get(name, name)})"
+
+
+def start(root: Path, spec: StoreSpec, config: CaptureConfig) -> Manifest:
+    """Create the store, or check that the one there was started with this spec and layout (resume); a folder that
+    is not a store (or is another) is refused (:func:`out_problem`), decided on the main rank, before any write."""
+    manifest = Manifest(spec, distributed.world_size(), config.micro_batch_size, config.batches_per_part)
+    given = vars(spec) | {name: getattr(manifest, name) for name in ("world_size", "micro_batch_size",
+                                                                      "batches_per_part")}
+    problem = _on_main(lambda: out_problem(root, given) or "")
+    if problem:
+        raise ConfigError(problem)
+    if distributed.is_main() and not (root / MANIFEST).exists():
         root.mkdir(parents=True, exist_ok=True)
         manifest.save(root)
-    return manifest
+    distributed.barrier()
+    return Manifest.load(root)
 
 
 def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
@@ -199,7 +258,6 @@ def fill_store(rows: Callable[[Mapping[str, torch.Tensor], int], Rows], teacher:
         hidden_layers=config.hidden_layers, hidden_dtype=config.hidden_dtype,
     )
     manifest = start(root, spec, config)
-    distributed.barrier()
     loader = BlockLoader(blocks, config.micro_batch_size, rank=rank, world_size=world, shuffle=False,
                          drop_last=False)
     # Every rank resumes at the same micro-batch (the teacher's forward is collective): the least any finished.

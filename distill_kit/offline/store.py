@@ -45,6 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from distill_kit.engines.models import TORCH_DTYPES
+from distill_kit.errors import ConfigError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -159,11 +160,23 @@ class Manifest:
             raise FileNotFoundError(
                 f"{root} is not a teacher store (no {MANIFEST}); make one with scripts/capture_teacher.py"
             )
-        data = json.loads(path.read_text())
-        if data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{root}: store format {data.get('format_version')}, this code reads {FORMAT_VERSION}")
-        data["spec"] = StoreSpec(**data["spec"])
-        return cls(**data)
+        not_a_store = (f"{root} is not a teacher store: its {MANIFEST} is not one scripts/capture_teacher.py "
+                       "writes")
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise ConfigError(f"{not_a_store} (not JSON)") from None
+        if not isinstance(data, dict) or not isinstance(data.get("spec"), dict) or "format_version" not in data:
+            raise ConfigError(f"{not_a_store} (no spec or format_version)")
+        if data["format_version"] != FORMAT_VERSION:
+            raise ConfigError(f"{root} holds a teacher store of format {data['format_version']!r}, and this version "
+                              f"of distill-kit reads format {FORMAT_VERSION}: capture the teacher again into a new "
+                              "folder with this version's scripts/capture_teacher.py")
+        try:
+            data["spec"] = StoreSpec(**data["spec"])
+            return cls(**data)
+        except (TypeError, ValueError, KeyError) as err:
+            raise ConfigError(f"{not_a_store} ({err})") from None
 
 
 def part_path(root: Path, rank: int, first_batch: int) -> Path:

@@ -140,6 +140,17 @@ class RunConfig:
             raise ConfigError(f"{', '.join(drawn)}: in a task benchmark the harness scores each seed's held-out "
                               "prompts, the checker's (task.heldout of them, drawn at each of task.seeds); drop "
                               f"{' and '.join(drawn)}, or set task.heldout for fewer prompts")
+        own = [name for name in self.eval.harness.tasks if name.startswith("distill_kit_")]  # the checker's prompts
+        shots, chat = self.eval.harness.num_fewshot, self.eval.harness.apply_chat_template
+        changed = ([f"eval.harness.num_fewshot: {shots} puts {shots} solved examples before each prompt"] if shots
+                   else []) + (["eval.harness.apply_chat_template: false sends each prompt without the chat template "
+                                "the recipes are trained and checked with"] if chat is False else [])
+        if self.task.name is not None and own and changed:  # the harness's score beside the checker's must agree
+            keys = " and ".join(line.split(":")[0] for line in changed)
+            raise ConfigError(f"{'; '.join(changed)}: in a task benchmark the harness scores {own} beside the "
+                              "checker, which asks each prompt alone through the chat template, so the two columns "
+                              f"would measure different things; drop {keys}, or {own} from eval.harness.tasks (the "
+                              "harness's own tasks, e.g. gsm8k, may take them)")
         warmed = [r for r in self.task.recipes if r.startswith("on_policy_")]  # these start with warm_start_steps
         if self.task.name is not None and warmed and self.task.warm_start_steps >= self.training.max_steps:
             raise ConfigError(f"task.warm_start_steps: {self.task.warm_start_steps} SFT steps of training.max_steps "

@@ -14,12 +14,27 @@ placeholders, so a teacher's weights are on the device only while it is brought 
 is not fails at once. With two slots, :meth:`Pager.prefetch` fills the other slot from a worker thread on a side
 CUDA stream while the current teacher computes; :meth:`Pager.bring` then only waits for what is left of it. On the
 CPU (device = cpu) the same code runs, the copies synchronous.
+
+Disk copies: each process writes its teachers' files into a folder of its own in ``disk_dir``
+(:class:`CopyFolder`: ``distill_kit_paged-<pid>-<random>``, a marker file saying what it is, and a lock file the
+process holds with ``flock`` while it lives). The folder goes when the pager closes or the interpreter exits; a
+process killed outright (``kill -9``, the OOM killer) leaves it, and the next pager started on the same
+``disk_dir`` removes every such folder whose lock nobody holds, logging each with its size. Only folders with the
+marker are touched; anything else in ``disk_dir`` is the user's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +48,14 @@ ALIGN = 256
 and CPU allocators align to at least this much), so kernels take the same paths as for the resident teacher."""
 STAGING_BYTES = 256 * 2**20
 """Each of the two pinned staging buffers a disk teacher is read through."""
+PREFIX = "distill_kit_paged-"
+"""How the name of a process's folder of disk copies begins (:class:`CopyFolder`)."""
+MARKER = "distill_kit_paged.json"
+"""The file that marks a folder as a pager's: only folders holding it (and named :data:`PREFIX`...) are removed."""
+LOCK = "owner.lock"
+"""The file the owning process holds an exclusive ``flock`` on while it lives (the kernel drops it at its death)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,6 +124,8 @@ class Pager:
         """Each host-kept teacher's flat buffer (pinned on a CUDA run)."""
         self.files: dict[str, Path] = {}
         """Each disk-kept teacher's file."""
+        self.folder: CopyFolder | None = None
+        """This pager's folder in ``disk_dir`` (made at the first disk-kept teacher)."""
         self.slots: list[_Slot] = []
         self.bound: str | None = None
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -108,6 +133,8 @@ class Pager:
         self.staging: list[torch.Tensor] = []
         self.staging_free: list[Any] = [None, None]
         self.stats = {"switches": 0, "bytes_moved": 0, "wait_s": 0.0, "prefetched": 0}
+        if self.disk_dir is not None:  # what killed runs left there
+            remove_abandoned(self.disk_dir)
 
     # ---- taking teachers off the device ----------------------------------------------------------------
 
@@ -124,7 +151,9 @@ class Pager:
         elif kept == "disk":
             if self.disk_dir is None:
                 raise ValueError("a disk-kept teacher needs the pager's disk_dir")
-            path = self.disk_dir / f"distill_kit_paged_{name}_{id(self):x}.bin"
+            if self.folder is None:
+                self.folder = CopyFolder(self.disk_dir)
+            path = self.folder.path / f"{name}.bin"
             with open(path, "wb") as handle:
                 for (_, offset, _, _), tensor in zip(layout.entries, layout.tensors(), strict=True):
                     handle.seek(offset)
@@ -233,10 +262,10 @@ class Pager:
                 self.staging_free[which] = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
 
     def close(self) -> None:
-        """Stop the worker and delete the disk copies."""
+        """Stop the worker and delete the disk copies (their folder)."""
         self.worker.shutdown(wait=True)
-        for path in self.files.values():
-            path.unlink(missing_ok=True)
+        if self.folder is not None:
+            self.folder.remove()
         if self.cuda:
             for flat in self.host.values():
                 torch.cuda.check_error(int(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())))
@@ -247,6 +276,110 @@ class Pager:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to tidy
             pass
+
+
+class CopyFolder:
+    """One process's folder of disk copies in ``disk_dir``, owned while the process lives (module docstring).
+
+    Made as ``<disk_dir>/distill_kit_paged-<pid>-<random>``: the lock file is created and locked first, the marker
+    written after, so a folder with a marker and a free lock is one whose owner is gone. Removed by :meth:`remove`,
+    and at the latest when the interpreter exits."""
+
+    def __init__(self, disk_dir: str | Path):
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=disk_dir))
+        self.lock = os.open(self.path / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else can hold it
+        owner = {"made_by": "distill_kit", "what": "disk copies of paged teachers' weights", "pid": os.getpid(),
+                 "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (self.path / MARKER).write_text(json.dumps(owner) + "\n")
+        self._finalizer = weakref.finalize(self, _remove_own, self.path, self.lock)
+
+    def remove(self) -> None:
+        """Delete the folder and give up its lock (once; again does nothing)."""
+        self._finalizer()
+
+
+def _remove_own(path: Path, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock)
+
+
+def remove_abandoned(disk_dir: str | Path) -> list[tuple[Path, int]]:
+    """Remove the folders of disk copies in ``disk_dir`` whose owner is gone (a pager's process killed before it
+    could tidy): only folders named :data:`PREFIX`... that hold the :data:`MARKER` of this host, and whose
+    :data:`LOCK` nobody holds. Each removed folder is logged with its size; folders another host made (a shared
+    ``disk_dir``: its lock may not tell) are named, never removed. Returns what was removed: (folder, bytes)."""
+    removed, elsewhere = [], []
+    try:
+        candidates = sorted(p for p in Path(disk_dir).glob(f"{PREFIX}*") if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+    for folder in candidates:
+        owner = _owner(folder)
+        if owner is None:
+            continue  # not a pager's folder: the user's, whatever its name
+        if owner.get("host") != socket.gethostname():
+            elsewhere.append(f"{folder} (pid {owner.get('pid')} on {owner.get('host')})")
+            continue
+        size = _removed_if_abandoned(folder)
+        if size is not None:
+            removed.append((folder, size))
+            logger.warning("paged teachers: removed %s (%s), the disk copies of a run that ended without "
+                           "removing them (pid %s, started %s)", folder,
+                           f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB",
+                           owner.get("pid"), owner.get("started"))
+    if elsewhere:
+        logger.warning("paged teachers: %s holds disk copies of runs on other hosts, left as they are: %s; remove "
+                       "each once its run has ended", disk_dir, "; ".join(elsewhere))
+    try:
+        older = [(p, p.stat().st_size) for p in Path(disk_dir).glob("distill_kit_paged_*.bin")
+                 if p.is_file() and not p.is_symlink()]
+    except OSError:
+        older = []
+    if older:  # an earlier version's copies, loose in disk_dir with no owner recorded: named, never removed
+        logger.warning("paged teachers: %s holds %d file(s) named like an earlier distill-kit's disk copies (%s, "
+                       "%.1f GiB), which recorded no owner and are left as they are: delete them if no run of that "
+                       "version is going", disk_dir, len(older), ", ".join(p.name for p, _ in older[:3]),
+                       sum(size for _, size in older) / 2**30)
+    return removed
+
+
+def _owner(folder: Path) -> dict[str, Any] | None:
+    """The marker's contents, or None when the folder holds no pager's marker."""
+    try:
+        owner = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and owner.get("made_by") == "distill_kit" else None
+
+
+def _removed_if_abandoned(folder: Path) -> int | None:
+    """Remove ``folder`` if its lock is free (its owner gone), holding the lock meanwhile; its bytes, or None."""
+    try:
+        lock = os.open(folder / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        lock = None  # a removal cut short (the lock file went first): nobody holds it
+    except OSError:
+        return None
+    try:
+        if lock is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its process lives (or a lock this filesystem cannot take: leave it)
+                return None
+        try:
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            return None  # another start removed it first
+        except OSError as err:
+            logger.warning("paged teachers: could not remove %s, the disk copies of a run that has ended: %s",
+                           folder, err)
+            return None
+        return size
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

@@ -189,6 +189,11 @@ def _paged(teachers: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard], tr
             problems.append(f"training.teacher_paging.disk_dir: {disk_dir!r} is not a folder, and teachers "
                             f"{list(on_disk)} ({gib(sum(on_disk.values()))}) do not fit the pinned budget of "
                             f"{gib(budget)}: create it, or name another")
+        elif not os.access(disk_dir, os.W_OK | os.X_OK):  # read-only (a read-only mount too, even for root)
+            problems.append(f"training.teacher_paging.disk_dir: {disk_dir!r} cannot be written to (read-only, or "
+                            f"another user's), and teachers {list(on_disk)} ({gib(sum(on_disk.values()))}) are kept "
+                            f"there, past the pinned budget of {gib(budget)}: point disk_dir at a folder this user "
+                            "can write, on a disk with that much free")
         elif sum(on_disk.values()) > (free := disk_free(disk_dir)):
             problems.append(f"{key}: teachers {list(on_disk)} ({gib(sum(on_disk.values()))}) do not fit the pinned "
                             f"host budget ({gib(budget)} of {gib(host)} available), and training.teacher_paging."

@@ -13,6 +13,7 @@ token's position gives is that prediction.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from distill_kit.offline.store import Manifest
 from distill_kit.teachers import kinds, served
 from distill_kit.teachers.base import TeacherSetup
 from distill_kit.teachers.served import ServedTeacher
-from distill_kit.teachers.served_protocol import TeacherResponseError
+from distill_kit.teachers.served_protocol import TeacherResponseError, TeacherUnavailable
 from distill_kit.teachers.tokenizers import fingerprint_problems
 
 
@@ -87,10 +88,35 @@ def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Datas
             raise ConfigError(f"--teacher {url}: its answer at --k {config.k} cannot fill a store ({err}); check --k "
                               "against the server's limit (vllm serve --max-logprobs) and --teacher-options' api"
                               ) from None
-        return fill_store(lambda batch, real: store_rows(teacher, batch, real), url, teacher.identity,
-                          teacher_config.to_dict(), tokenizer, blocks, out, config)
+        try:
+            return fill_store(lambda batch, real: store_rows(teacher, batch, real), url, teacher.identity,
+                              teacher_config.to_dict(), tokenizer, blocks, out, config)
+        except TeacherUnavailable as err:  # gone, or too slow: what a run says of it, less a run's --resume advice
+            raise CaptureStopped(f"--teacher {url} stopped answering mid-capture: {_cause(err)}. {_resumes(out)}"
+                                 ) from None
+        except TeacherResponseError as err:
+            raise CaptureStopped(f"--teacher {url} gave an answer mid-capture that cannot be stored, so nothing of "
+                                 f"it was: {_cause(err)}. {_resumes(out)}") from None
     finally:
         teacher.close()
+
+
+class CaptureStopped(TeacherUnavailable):
+    """A served capture stopped part-way by its server; the message names the cause, and that running the same
+    command again resumes (the parts finished are kept: ``offline/capture.py``)."""
+
+
+def _resumes(out: str | Path) -> str:
+    return (f"The parts finished so far are kept in {out}: once the server answers again, run the same command "
+            "again; it resumes at the last finished part")
+
+
+def _cause(err: Exception) -> str:
+    """The client's message without its advice for a training run (a checkpoint, ``--resume``): clauses naming
+    either are left out."""
+    clauses = re.split(r"(?<=[.;]) (?=[A-Za-z])", str(err))
+    kept = [c for c in clauses if not re.search(r"resume|checkpoint", c, re.IGNORECASE)]
+    return " ".join(kept or clauses[:1]).rstrip(" .;")
 
 
 def store_rows(teacher: ServedTeacher, batch: Mapping[str, torch.Tensor], real: int) -> Rows:

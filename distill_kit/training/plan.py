@@ -302,10 +302,11 @@ def _loss_needs(losses: Mapping[str, DistillationLoss], teachers: Sequence[Teach
             card = cards[spec.name]
             for flag, output in (("needs_hidden_states", HIDDEN_STATES), ("needs_attentions", ATTENTIONS)):
                 if getattr(loss, flag) and output not in card.outputs:
+                    givers = ("an in-process engine; a store captured with --hidden-layers" if output == HIDDEN_STATES
+                              else "an in-process engine: a store or a server holds no attentions")
                     problems.append(f"students[{student}].loss reads the teacher's {output.replace('_', ' ')}, and "
                                     f"teacher {spec.name!r} (a {card.kind} teacher) returns none: use a logit loss, "
-                                    "or a teacher that returns them (an in-process engine; a store captured with "
-                                    "--hidden-layers)")
+                                    f"or a teacher that returns them ({givers})")
     return problems
 
 

@@ -22,6 +22,7 @@ import contextlib
 import difflib
 import gc
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -29,9 +30,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from distill_kit.config import HarnessConfig
+from distill_kit.config import HarnessConfig, TeacherSpec
 from distill_kit.errors import ConfigError
 from distill_kit.tasks import arithmetic, sorting
+from distill_kit.teachers.kinds import kind_of
+
+logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 PROJECT_TASKS = {"distill_kit_arithmetic": arithmetic, "distill_kit_sorting": sorting}
@@ -118,16 +122,21 @@ def _student(name: str, folder: Path, tokenizer: str | None) -> Model:
 
 
 def _teachers(config: dict[str, Any]) -> list[Model]:
-    """The run config's teacher(s) given as model folders or hub names; a captured store or a teacher class has no
-    weights the harness can load, and is left out."""
+    """The run config's teacher(s) given as model folders or hub names (kind ``engine``). A captured store, a
+    teacher class, the student itself or a server has no weights the harness can load, and is left out: a server
+    with a note (its model is scored where its weights are: ``scripts/evaluate_run.py`` on a folder of them)."""
     given = config.get("teachers") or ([{"name": "teacher", "model": config["teacher"]}] if config.get("teacher")
                                         else [])
     out = []
     for spec in given:
-        model, kind = spec.get("model"), spec.get("kind", "auto")
-        if not isinstance(model, str) or ":" in kind or kind == "store" or (Path(model) / "manifest.json").is_file():
-            continue
-        out.append(Model(spec.get("name", "teacher"), "teacher", model, config.get("tokenizer")))
+        model, name = spec.get("model"), spec.get("name", "teacher")
+        kind = kind_of(TeacherSpec(name=name, model=model, kind=spec.get("kind", "auto"))) if isinstance(
+            model, str) else None
+        if kind == "served":
+            logger.warning("eval.harness: teacher %r is served (%s), and the harness loads model weights from a "
+                           "folder: its row is left out; the students are scored as usual", name, model)
+        if kind == "engine":
+            out.append(Model(name, "teacher", model, config.get("tokenizer")))
     return out
 
 
