@@ -45,8 +45,8 @@ from distill_kit.teachers.group import Teachers
 from distill_kit.training import evaluation, nonfinite
 from distill_kit.training.loop import Batch, Trainer
 from distill_kit.training.on_policy import Sampler
-from distill_kit.training.rewarding import Rewarder
 from distill_kit.training.plan import DataFacts, Plan, make_plan
+from distill_kit.training.rewarding import Rewarder
 from distill_kit.training.student import Student
 from losses import DistillationLoss, LossOutput
 

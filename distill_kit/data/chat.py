@@ -108,6 +108,10 @@ FEATURES = datasets.Features({
 ROUTED_FEATURES = datasets.Features({**FEATURES, "teacher": datasets.Value("string")})
 """Conversations of a routed run (``combine: route``): each also names its teacher."""
 PRIVILEGED_COLUMN = "privileged"
+FIELDS_COLUMN = "fields"
+"""With ``keep_fields``: each record's other fields (all but its conversation), as JSON text, for the rewards that ask
+for them (``distill_kit/rewards``); batches then carry them as ``records``, one dict a row."""
+CONVERSATION_KEYS = ("messages", "prompt", "completion")
 """A self-teacher's prompt of each conversation (``data/privileged.py``): its tokens before the first counted label."""
 
 Batch = dict[str, torch.Tensor]
@@ -372,6 +376,8 @@ class ChatStats:
     """Tokens that count in the loss (labels not -100), over the kept records."""
     first_prompt: str | None = None
     """Where the first prompt record is, for errors."""
+    fields: frozenset[str] | None = None
+    """With ``keep_fields``: the fields every kept record has beside its conversation."""
 
     def log(self, name: str, block_size: int) -> None:
         """One line for the run's log; a warning when records were cut or left out."""
@@ -395,13 +401,16 @@ class ChatSplits:
 
 def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, block_size: int,
                      stats: ChatStats, teacher_field: str | None = None,
-                     privileged: PrivilegedTemplate | None = None) -> datasets.Dataset:
+                     privileged: PrivilegedTemplate | None = None, keep_fields: bool = False) -> datasets.Dataset:
     """Validate, render and truncate every record (every error is raised before any training). ``teacher_field``:
     the key naming each record's teacher (``combine: route``), which every record must then have. ``privileged``:
-    a self-teacher's template (``data/privileged.py``): each conversation also keeps the teacher's prompt."""
+    a self-teacher's template (``data/privileged.py``): each conversation also keeps the teacher's prompt.
+    ``keep_fields``: each conversation also keeps its record's other fields (:data:`FIELDS_COLUMN`)."""
     features = ROUTED_FEATURES if teacher_field else FEATURES
     if privileged is not None:
         features = datasets.Features({**features, PRIVILEGED_COLUMN: datasets.Sequence(datasets.Value("int32"))})
+    if keep_fields:
+        features = datasets.Features({**features, FIELDS_COLUMN: datasets.Value("string")})
     chunks, rows = [], {name: [] for name in features}
 
     def flush() -> None:
@@ -431,6 +440,11 @@ def tokenize_records(records: Iterator[tuple[str, Any]], encoder: ChatEncoder, b
             values += (record_teacher(record, where, teacher_field),)
         if privileged is not None:
             values += (privileged_prompt_of(record, messages, encoder, ids, labels, privileged, where),)
+        if keep_fields:
+            others = {k: v for k, v in record.items() if k not in CONVERSATION_KEYS} if isinstance(record, Mapping) \
+                else {}
+            stats.fields = frozenset(others) if stats.fields is None else stats.fields & set(others)
+            values += (json.dumps(others),)
         for name, value in zip(features, values, strict=True):
             rows[name].append(value)
         if len(rows["length"]) >= CHUNK_RECORDS:
@@ -466,19 +480,21 @@ def record_teacher(record: Any, where: str, field: str) -> str:
 
 
 def build_splits(config: DataConfig, tokenizer: PreTrainedTokenizerBase, route: bool = False,
-                 privileged: PrivilegedTemplate | None = None) -> ChatSplits:
+                 privileged: PrivilegedTemplate | None = None, keep_fields: bool = False) -> ChatSplits:
     """Read, validate, render and hold out chat records as ``config`` says (``data.heldout`` or a fraction);
     ``route``: each record names its teacher (``data.teacher_field``); ``privileged``: a self-teacher's template,
-    whose prompt each conversation also keeps (``data/privileged.py``)."""
+    whose prompt each conversation also keeps (``data/privileged.py``); ``keep_fields``: each conversation keeps
+    its record's other fields, for rewards that ask for them (the training split's, ``stats["train"].fields``)."""
     if config.streaming:
         raise ConfigError("data.streaming is for text; chat records are tokenised up front (set it to false)")
     encoder = ChatEncoder(tokenizer, resolve_template(tokenizer, config.chat_template), config.assistant_turns)
     stats = {"train": ChatStats(), "heldout": ChatStats()}
     field = config.teacher_field if route else None
-    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"], field, privileged)
+    train = tokenize_records(read_records(config.train), encoder, config.block_size, stats["train"], field, privileged,
+                             keep_fields)
     if config.heldout is not None:
         heldout = tokenize_records(read_records(config.heldout), encoder, config.block_size, stats["heldout"], field,
-                                   privileged)
+                                   privileged, keep_fields)
     else:
         if len(train) < 2:
             raise ConfigError(f"data.train holds {len(train)} usable chat record(s): too few to hold any out; "
@@ -791,6 +807,8 @@ class ChatLoader(EpochLoader):
         if PRIVILEGED_COLUMN in self.dataset.column_names:  # a self-teacher's prompts (data/privileged.py)
             extra = privileged.pad_prompts(list(rows.get(PRIVILEGED_COLUMN, [])) + [[self.pad_id]] * short,
                                            self.pad_id)
+        if FIELDS_COLUMN in self.dataset.column_names:  # each record's other fields, for the rewards
+            extra["records"] = [json.loads(text) for text in rows.get(FIELDS_COLUMN, [])] + [{}] * short
         if self.teacher_ids is None:
             return pad_rows(ids, labels, self.pad_id) | extra
         labels = [[IGNORE_INDEX] * len(row) if filler else row for row, filler in zip(labels, fillers, strict=True)]

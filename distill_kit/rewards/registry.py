@@ -45,11 +45,8 @@ class RewardFunction:
     """Keyword parameters beyond (prompt, completion): ids and record fields."""
     all_fields: bool = False
     """It takes ``**fields``: every field of the record."""
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        """The record fields it names (what the data must hold)."""
-        return tuple(name for name in self.asks if name not in IDS)
+    fields: tuple[str, ...] = ()
+    """The record fields it cannot do without (named, with no default): what every record of the data must hold."""
 
     def __call__(self, prompt: str, completion: str, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                  record: Mapping[str, Any] | None = None) -> float:
@@ -90,9 +87,9 @@ def resolve(name: str, key: str, fields: Collection[str] | None = None) -> Rewar
     asks = tuple(p.name for p in named)
     required = {p.name for p in named if p.default is p.empty}
     all_fields = any(p.kind == p.VAR_KEYWORD for p in params)
-    reward = RewardFunction(name, function, asks, all_fields)
+    reward = RewardFunction(name, function, asks, all_fields, tuple(n for n in asks if n in required and n not in IDS))
     if fields is not None:
-        missing = [field for field in reward.fields if field in required and field not in fields]
+        missing = [field for field in reward.fields if field not in fields]
         if missing:
             raise ConfigError(f"{key}: {name!r} asks for the record field(s) {missing}, which the data's records do "
                               f"not have (they have {sorted(fields)}); add them to every record, or drop the "
@@ -114,7 +111,8 @@ def _function(name: str, key: str) -> Callable[..., Any]:
         function = getattr(importlib.import_module(module_name), attr)
     except Exception as err:  # the module's own error, whatever it is, named once
         raise ConfigError(f"{key}: cannot import reward {target!r} ({type(err).__name__}: {err}); check that the "
-                          "module is on PYTHONPATH, imports cleanly, and the function is spelled as in its file") from None
+                          "module is on PYTHONPATH, imports cleanly, and the function is spelled as in its file"
+                          ) from None
     if not callable(function):
         raise ConfigError(f"{key}: {target!r} is a {type(function).__name__}, not a function")
     return function

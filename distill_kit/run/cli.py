@@ -31,7 +31,7 @@ from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.tasks import harness
 from distill_kit.teachers import self_teacher
-from distill_kit.training import checkpoint
+from distill_kit.training import checkpoint, rewarding
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
 logger = logging.getLogger("distill_kit")
@@ -141,9 +141,10 @@ def with_output_dir(config: RunConfig, resume: bool) -> RunConfig:
 
 
 def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: PreTrainedTokenizerBase,
-                  data: DataFacts, tokenize=None):
+                  data: DataFacts, tokenize=None, rewards: Sequence[Any] = ()):
     """This rank's training and held-out loaders: text blocks, or chat conversations (``data.format``).
-    ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks)."""
+    ``tokenize``: how text becomes blocks when it is not :func:`blocks.tokenize_to_blocks` (paired blocks).
+    ``rewards``: the plan's; records keep the fields they ask for, which every training record must have."""
     rank, world = distributed.rank(), distributed.world_size()
     mbs, seed = config.training.micro_batch_size, config.training.seed
     if data.kind == "chat":
@@ -152,8 +153,11 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
                               "template per tokenizer, aligned answers) is not supported yet")
         route = [t.name for t in config.teachers] if config.combine == "route" and config.teachers else None
         # every rank renders the same records: no cache to share; a self-teacher's privileged prompts with them
+        keep = any(reward.fields for reward in rewards)
         splits = chat.build_splits(data_config, tokenizer, route=route is not None,
-                                   privileged=self_teacher.template_of(config.teachers or ()))
+                                   privileged=self_teacher.template_of(config.teachers or ()), keep_fields=keep)
+        if keep:
+            rewarding.check_fields(rewards, splits.stats["train"].fields, f"data.train ({data_config.train})")
         if distributed.is_main():
             for name, stats in splits.stats.items():
                 stats.log(name, data_config.block_size)
@@ -166,8 +170,8 @@ def build_loaders(config: RunConfig, data_config: blocks.DataConfig, tokenizer: 
         packing = {"packing": data_config.packing is True, "block_size": data_config.block_size}
         samples = config.training.on_policy.fraction > 0  # the sampler reads unpacked rows, then packs (pack_to)
         prompts = mbs // config.training.on_policy.samples_per_prompt  # each sampled G times: mbs rows trained on
-        loaders = (chat.ChatLoader(splits.train, prompts, pad_id=pad, rank=rank, world_size=world, seed=seed, route=route,
-                                   **packing | ({"packing": False} if samples else {})),
+        loaders = (chat.ChatLoader(splits.train, prompts, pad_id=pad, rank=rank, world_size=world, seed=seed,
+                                   route=route, **packing | ({"packing": False} if samples else {})),
                    chat.ChatLoader(splits.heldout, mbs, pad_id=pad, rank=rank, world_size=world, shuffle=False,
                                    drop_last=False, route=route, **packing))
         if packing["packing"] and distributed.is_main():
@@ -288,7 +292,7 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     checkpoints = plan.checkpoint_dir if plan is not None else checkpoint_folder(config.training, out)
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, checkpoint_dir=checkpoints))
     with _input_errors("data"):
-        data_config, tokenizer, own, train_loader, eval_loader = prepare_loaders(config, data)
+        data_config, tokenizer, own, train_loader, eval_loader = prepare_loaders(config, data, plan and plan.rewards)
     _claim(out, config, identity, resume, held)
     if distributed.is_main() and own is not None:
         own.save(out)
@@ -319,7 +323,7 @@ def run_task(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dic
     return compare.run(config, prepare_student, resume)
 
 
-def prepare_loaders(config: RunConfig, data: DataFacts):
+def prepare_loaders(config: RunConfig, data: DataFacts, rewards: Sequence[Any] = ()):
     """The data phase: the data files (the embedded corpus written once), the tokenizer (the students' own across
     tokenizers), and this rank's training and held-out loaders."""
     data_config = prepare_data(config)
@@ -327,7 +331,7 @@ def prepare_loaders(config: RunConfig, data: DataFacts):
     own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
     if own is not None:
         tokenizer = own.tokenizer
-    train_loader, eval_loader = build_loaders(config, data_config, tokenizer, data, own and own.tokenize)
+    train_loader, eval_loader = build_loaders(config, data_config, tokenizer, data, own and own.tokenize, rewards)
     return data_config, tokenizer, own, train_loader, eval_loader
 
 

@@ -125,9 +125,9 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
                           f"distill_kit/assets/{task.name}/teacher (scripts/train_task_teacher.py writes it)")
     grouped = [name for name in task.recipes if name in REWARD_RECIPES]
     if grouped and config.training.micro_batch_size % task.samples_per_prompt:
-        raise ConfigError(f"task.samples_per_prompt={task.samples_per_prompt} does not divide training.micro_batch_size="
-                          f"{config.training.micro_batch_size}, and {grouped} sample whole groups of each prompt: give a "
-                          "micro_batch_size that is a multiple of it")
+        raise ConfigError(f"task.samples_per_prompt={task.samples_per_prompt} does not divide "
+                          f"training.micro_batch_size={config.training.micro_batch_size}, and {grouped} sample whole "
+                          "groups of each prompt: give a micro_batch_size that is a multiple of it")
     if (out / "report.json").exists():
         raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)

@@ -160,8 +160,8 @@ class Trainer:
                     self.history.append(record)
                     progress.update(1)
                     tokens = float(normalizer) * len(step_batches) * distributed.world_size()
-                    progress.set_postfix({k: f"{v:.4g}" for k, v in record.items() if k.endswith(("loss", "reward_mean"))}
-                                         | {"tok/s": f"{tokens / (time.perf_counter() - started):,.0f}"})
+                    shown = {k: f"{v:.4g}" for k, v in record.items() if k.endswith(("loss", "reward_mean"))}
+                    progress.set_postfix(shown | {"tok/s": f"{tokens / (time.perf_counter() - started):,.0f}"})
                     if self.on_record is not None:
                         self.on_record(record)
                     if self.step % self.training.log_every == 0 and distributed.is_main():

@@ -287,8 +287,14 @@ def repeat_rows(batch: Mapping[str, Any], times: int) -> Batch:
     if times == 1:
         return dict(batch)
     rows = batch["input_ids"].shape[0]
-    return {k: v.repeat_interleave(times, dim=0) if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v
-            for k, v in batch.items()}
+
+    def repeated(value: Any) -> Any:
+        if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
+            return value.repeat_interleave(times, dim=0)
+        if isinstance(value, list) and len(value) == rows:  # the records' fields (data/chat.py)
+            return [item for item in value for _ in range(times)]
+        return value
+    return {k: repeated(v) for k, v in batch.items()}
 
 
 def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:

@@ -41,13 +41,18 @@ class Rewarder:
 
     def __call__(self, batch: Mapping[str, Any], where: str = "") -> Batch:
         labels, ids = batch["labels"], batch["input_ids"]
+        asked = sorted({field for reward in self.rewards for field in reward.fields})
+        if asked and "records" not in batch:
+            raise ConfigError(f"rewards ask for the record fields {asked}, and the batches carry no records: build "
+                              "the chat splits with keep_fields=True (data.chat.build_splits; the CLI does it)")
         scores = []
         for row in range(ids.shape[0]):
             answered = (labels[row] != IGNORE_INDEX).nonzero()
             start = int(answered[0]) if len(answered) else int(batch["attention_mask"][row].sum())
             prompt_ids, sample_ids = ids[row, :start].tolist(), labels[row][labels[row] != IGNORE_INDEX].tolist()
             teacher = self.teachers[int(batch["teacher_id"][row])] if "teacher_id" in batch else None
-            scores.append(self.score(prompt_ids, sample_ids, teacher, f"row {row}{where}"))
+            record = batch["records"][row] if "records" in batch else None
+            scores.append(self.score(prompt_ids, sample_ids, teacher, record, f"row {row}{where}"))
         rewards = torch.tensor(scores, dtype=torch.float64)
         groups = rewards.reshape(-1, self.group_size)
         no_signal = (groups == groups[:, :1]).all(dim=1).repeat_interleave(self.group_size)
@@ -56,8 +61,10 @@ class Rewarder:
         return dict(batch) | {"rewards": rewards.float().to(device), "advantages": advantages.float().to(device),
                               "no_signal": no_signal.to(device)}
 
-    def score(self, prompt_ids: list[int], sample_ids: list[int], teacher: str | None, where: str) -> float:
-        """One sample's reward: the weighted sum of the rewards that apply to its teacher's conversations."""
+    def score(self, prompt_ids: list[int], sample_ids: list[int], teacher: str | None,
+              record: Mapping[str, Any] | None, where: str) -> float:
+        """One sample's reward: the weighted sum of the rewards that apply to its teacher's conversations; ``record``:
+        the fields of the record its prompt came from (batches of ``keep_fields`` chat data carry them)."""
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
         completion = self.tokenizer.decode(sample_ids, skip_special_tokens=True)
         total = 0.0
@@ -65,7 +72,7 @@ class Rewarder:
             if spec.teacher is not None and spec.teacher != teacher:
                 continue
             try:
-                total += spec.weight * reward(prompt, completion, prompt_ids, sample_ids)
+                total += spec.weight * reward(prompt, completion, prompt_ids, sample_ids, record)
             except Exception as err:  # whatever a user's function raises: named once, the run stopped cleanly
                 raise RewardFailed(f"reward {spec.name!r} failed on the prompt {_short(prompt)} ({where}), sample "
                                    f"{_short(completion)}: {type(err).__name__}: {err}. Fix the reward, then continue "
@@ -77,6 +84,17 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+def check_fields(rewards: Sequence[RewardFunction], fields: frozenset[str] | None, where: str) -> None:
+    """Every record field the rewards ask for is in every record of the training data (``fields``: the fields every
+    record has, ``ChatStats.fields``); one ``ConfigError`` naming the reward, the fields and the fix."""
+    for i, reward in enumerate(rewards):
+        missing = [field for field in reward.fields if field not in (fields or ())]
+        if missing:
+            raise ConfigError(f"training.rewards.functions[{i}] ({reward.name!r}) asks for the record field(s) "
+                              f"{missing}, which not every record of {where} has (all have {sorted(fields or ())}): "
+                              "add them to every record, or give the parameter a default")
+
+
 def plan_rewards(config: RewardsConfig, losses: Mapping[str, Any], on_policy: Any, teachers: Sequence[str],
                  dense: Mapping[str, bool], combine: str, chat: bool) -> tuple[list[RewardFunction], list[str]]:
     """The plan's part (``training/plan.py``): each reward resolved and its signature checked, and every way the
@@ -86,8 +104,8 @@ def plan_rewards(config: RewardsConfig, losses: Mapping[str, Any], on_policy: An
     problems, rewards = [], []
     if config.on and not chat:
         problems.append("training.rewards score answers to prompts, and the data is text (blocks with no prompt): "
-                        "give chat or prompt/completion records (data.format: chat; docs/chat.md; from Python, Distiller(..., "
-                        "data=DataFacts(kind='chat')))")
+                        "give chat or prompt/completion records (data.format: chat; docs/chat.md; from Python, "
+                        "Distiller(..., data=DataFacts(kind='chat')))")
     for i, spec in enumerate(config.functions):
         key = f"training.rewards.functions[{i}]"
         try:
