@@ -48,7 +48,11 @@ def test_a_run_scores_its_samples_with_a_reward_that_reads_each_records_field(da
                 "s/teacher_advantage", "s/policy_gradient"):
         assert all(key in r for r in records), key
     assert all(0.0 <= r["s/reward_mean"] <= 1.0 and 0.0 <= r["s/no_signal"] <= 1.0 for r in records)
-    assert (tmp_path / "run" / "report.json").is_file()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["histories"]["s"][0]) >= {"step", "loss", "reward_mean", "no_signal", "entropy"}
+    student = report["summary"]["students"]["s"]
+    assert student["reward_mean_first"] == records[0]["s/reward_mean"]  # 2 steps: a tenth is one step
+    assert student["reward_mean_last"] == records[1]["s/reward_mean"]
 
 
 @pytest.mark.parametrize(("extra", "message"), [

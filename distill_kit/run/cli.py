@@ -351,8 +351,9 @@ def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: A
     summary = None
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
-        histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]} for r in students.history]
-                     for s in config.students}
+        histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]}
+                              | {k: r[f"{s.name}/{k}"] for k in report.REWARD_FIGURES if f"{s.name}/{k}" in r}
+                              for r in students.history] for s in config.students}
         tokens = (config.training.micro_batch_size * config.training.gradient_accumulation_steps
                   * distributed.world_size() * data_config.block_size)
         extra = {"seconds": time.time() - started, "world_size": distributed.world_size(), "tokens_per_step": tokens,

@@ -23,6 +23,9 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 NO_TEACHER_LOSS = "cross_entropy"
+REWARD_FIGURES = ("reward_mean", "reward_std", "no_signal", "sample_length", "teacher_advantage", "entropy")
+"""What a run with rewards records per step beside each student's loss (``losses/policy.py``), kept in the report's
+histories, summarised over the first and last tenth of the steps, and drawn in the curves' third panel."""
 
 
 def no_teacher_students(losses: Mapping[str, Any]) -> list[str]:
@@ -62,6 +65,17 @@ def summarize(final: Mapping[str, Mapping[str, float]], losses: Mapping[str, Any
     return summary
 
 
+def reward_summary(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """Each reward figure's mean over the first and the last tenth of the steps (at least one step each): where the
+    run started and where it ended; empty without rewards."""
+    if not history or "reward_mean" not in history[0]:
+        return {}
+    tenth = max(1, len(history) // 10)
+    return {f"{key}_{part}": sum(r[key] for r in rows) / len(rows)
+            for part, rows in (("first", history[:tenth]), ("last", history[-tenth:]))
+            for key in REWARD_FIGURES if key in rows[0]}
+
+
 def across_tokenizers(final: Mapping[str, Mapping[str, float]]) -> bool:
     """Whether the students were evaluated on another tokenizer than the teacher's: bits per byte measured, and no
     KL (which needs one vocabulary; ``evaluation.py`` leaves it out exactly then)."""
@@ -94,6 +108,11 @@ def table(summary: Mapping[str, Any]) -> str:
             lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
                          f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower; "
                          f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
+    for name, row in summary["students"].items():
+        if "reward_mean_last" in row:
+            lines.append(f"{name}: reward {row['reward_mean_first']:.4g} -> {row['reward_mean_last']:.4g} (first and "
+                         f"last tenth of the steps), groups without signal {row['no_signal_first']:.0%} -> "
+                         f"{row['no_signal_last']:.0%}, sample length {row['sample_length_last']:.1f} tokens")
     if across:
         lines.append("the students' tokenizer is not the teacher's: compare by bits per byte; perplexity is per token "
                      "of each model's own tokenizer and compares only the students with one another")
@@ -116,8 +135,15 @@ def harness_table(harness: Mapping[str, Any]) -> str:
 
 def plot(path: Path, histories: Mapping[str, Sequence[Mapping[str, float]]],
          evaluations: Sequence[Mapping[str, Any]]) -> None:
-    """Left: each student's training loss by step. Right: held-out perplexity by step, teacher dashed."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    """Left: each student's training loss by step. Right: held-out perplexity by step, teacher dashed. With rewards,
+    a third panel: each student's mean reward by step."""
+    rewarded = {name: h for name, h in histories.items() if h and "reward_mean" in h[0]}
+    fig, (left, right, *more) = plt.subplots(1, 3 if rewarded else 2, figsize=(16.5 if rewarded else 11, 4))
+    for name, history in rewarded.items():
+        more[0].plot([r["step"] for r in history], [r["reward_mean"] for r in history], label=name)
+    if rewarded:
+        more[0].set(title="mean reward of the samples", xlabel="optimizer step", ylabel="reward")
+        more[0].legend()
     for name, history in histories.items():
         left.plot([r["step"] for r in history], [r["loss"] for r in history], label=name)
     left.set(title="training loss (each student's own objective)", xlabel="optimizer step", ylabel="loss")
@@ -145,6 +171,8 @@ def write(out_dir: Path, config: Mapping[str, Any], losses: Mapping[str, Any],
           extra: Mapping[str, Any], inits: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``report.json`` and ``loss_curves.png`` in ``out_dir``; returns the summary."""
     summary = summarize(evaluations[-1]["metrics"], losses, inits)
+    for name, history in histories.items():
+        summary["students"].get(name, {}).update(reward_summary(history))
     report = {"summary": summary, "evaluations": list(evaluations), "histories": dict(histories),
               "config": dict(config), **extra}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
