@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from distill_kit.errors import TeacherUnavailable
+from distill_kit.errors import TeacherResponseError, TeacherUnavailable
 
 APIS = ("distill_kit", "vllm", "sglang")
 MAGIC = b"DKT1"
@@ -47,11 +47,9 @@ VLLM_NEG_INF = -9999.0
 
 
 class TeacherTimeout(TeacherUnavailable):
-    """One request took longer than ``timeout_s``; the message names the figure and how to raise it."""
+    """One request took longer than ``timeout_s`` (its whole deadline); the message names the figure and how to
+    raise it."""
 
-
-class TeacherResponseError(ValueError):
-    """A response that cannot be trained on: empty, truncated, not JSON, for other tokens or another k."""
 
 
 @dataclass(frozen=True)
