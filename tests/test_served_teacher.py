@@ -351,7 +351,7 @@ def test_a_store_captured_from_the_server_equals_one_captured_in_process(server,
 
 @pytest.mark.parametrize("api", ["distill_kit", "vllm"])
 @pytest.mark.parametrize("mode, match", [("empty", "empty body"), ("garbage", "not (JSON|a distill_kit top-k)"),
-                                         ("truncate", "truncated|not JSON"), ("other_tokens", "other tokens"),
+                                         ("truncate", "cut off|not JSON"), ("other_tokens", "other tokens"),
                                          ("other_k", "k = ")])
 def test_a_bad_answer_is_refused_never_trained_on(server, api, mode, match):
     served = teacher(server.url, api=api, rows_per_request=B)
