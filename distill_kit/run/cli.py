@@ -30,7 +30,7 @@ from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.tasks import harness
-from distill_kit.teachers import self_teacher
+from distill_kit.teachers import self_teacher, served
 from distill_kit.training import checkpoint
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
@@ -127,6 +127,16 @@ def run_identity(config: RunConfig) -> dict[str, Any]:
         for part in parents:
             node = node[part]
         node.pop(leaf, None)
+    # A served teacher is its weights, not its address: the checkpoint's teacher sha256 (the server's weights')
+    # decides whether a resume continues, so the same weights served on another host or port may resume; and how
+    # its requests travel (timeout_s, retries_s, ...) changes nothing trained on, so it may change across a resume.
+    if served.is_url(identity.get("teacher")):
+        identity["teacher"] = "served"
+    for entry in identity.get("teachers") or ():
+        if isinstance(entry, dict) and served.is_url(entry.get("model")):
+            entry["model"] = "served"
+            if isinstance(entry.get("options"), dict):
+                entry["options"] = {k: v for k, v in entry["options"].items() if k not in served.TRANSPORT_OPTIONS}
     return identity
 
 

@@ -72,11 +72,16 @@ LOG = logging.getLogger(__name__)
 DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokenizer": None, "api_key_env": None,
                             "timeout_s": 120.0, "wait_s": 300.0, "retries_s": 600.0, "rows_per_request": 8,
                             "max_in_flight": 4, "max_response_bytes": 256 << 20}
-# max_response_bytes: 8 rows of 8,192 tokens at k = 64 are 34 MiB from /v1/topk and ~250 MiB as vLLM's JSON (~60
-# bytes an entry), so 256 MiB holds what the defaults and a long-context run ask; past it, lower rows_per_request
+# max_response_bytes: the defaults' 8 rows of 2,048 tokens at k = 20 are 2.7 MB from /v1/topk (8 bytes an id and
+# value) and ~26 MB as vLLM's JSON (k + 1 entries of ~75 bytes a position); 256 MiB leaves ~10x that for longer rows
+# or a larger k, and bounds the memory max_in_flight answers can take. Past it: lower rows_per_request.
+TRANSPORT_OPTIONS = ("api_key_env", "timeout_s", "wait_s", "retries_s", "rows_per_request", "max_in_flight",
+                     "max_response_bytes")
+"""The options that say how requests travel, not what comes back: a resumed run may change them (the others, and
+the weights' sha256, are the teacher's identity)."""
 
-__all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
-           "TeacherUnavailable", "is_url"]
+__all__ = ["TRANSPORT_OPTIONS", "ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError",
+           "TeacherTimeout", "TeacherUnavailable", "is_url"]
 
 
 def is_url(model: object) -> bool:
