@@ -205,7 +205,8 @@ def check_targets(targets: Sequence[PromptTargets], prompts: Sequence[Sequence[i
                                        f"{float(np.exp(mass[row])):.6g}, more than 1")
         if tail is not None:
             wide_tail = tail.astype(np.float64)
-            whole = np.logaddexp(mass, wide_tail)
+            with np.errstate(invalid="ignore"):  # a NaN tail: refused just below
+                whole = np.logaddexp(mass, wide_tail)
             bad = np.isnan(wide_tail) | (wide_tail > LOG_PROB_SLACK) | (np.abs(whole) > LOG_PROB_SLACK)
             if bad.any():
                 row = int(np.flatnonzero(bad)[0])

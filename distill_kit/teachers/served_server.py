@@ -135,7 +135,6 @@ class Scorer:
         self.max_batch_tokens, self.chunk_tokens = max_batch_tokens, chunk_tokens
         self.lock = threading.Lock()
 
-    @torch.no_grad()
     def batches(self, prompts: Sequence[Sequence[int]]) -> Iterator[tuple[Sequence[Sequence[int]], torch.Tensor]]:
         """The prompts in right-padded batches of at most ``max_batch_tokens`` tokens (a longer prompt alone), each
         with its ``(rows, width, V)`` logits in the model's dtype; a batch's logits go when the caller takes the
@@ -152,7 +151,9 @@ class Scorer:
             for row, prompt in enumerate(group):
                 ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
                 mask[row, :len(prompt)] = 1
-            with self.lock:
+            # no_grad here, not as a decorator: torch's generator wrapper keeps the last item it passed on, which
+            # would keep this batch's logits alive through the next batch's forward
+            with self.lock, torch.no_grad():
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             yield group, logits
             del logits
@@ -178,6 +179,7 @@ class Scorer:
             ids.append(top_ids.int().cpu())
             values.append(top_values.cpu())
             tails.append(top_tails.cpu())
+            del logits  # before the next batch's forward: one batch's logits alive at a time
         return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(tails).numpy()
 
     def vllm_positions(self, prompt: Sequence[int], k: int) -> tuple[list[Any], int]:
