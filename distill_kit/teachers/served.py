@@ -98,6 +98,8 @@ class Labels:
     model: str
     options: str
     sep: str = "."
+    stop: str = "the run stops after a checkpoint of the last whole step"
+    """What a teacher fault mid-way does (a run: the loop's rewind and checkpoint; the capture script: its parts)."""
     resume: str = "resume with --resume"
     """How to continue once the server is fixed (a run: ``--resume``; the capture script: run it again)."""
 
@@ -210,7 +212,7 @@ class Transport:
                     f"{self.named.model}: the teacher server at {self.url} did not answer {path} within timeout_s="
                     f"{deadline:g} s{what}. A loaded or slow server (or one that trickles its answer): raise "
                     f"{self.named.option('timeout_s')}, lower {self.named.option('rows_per_request')}, or give it "
-                    f"more GPUs; the run stops after a checkpoint of the last whole step: {self.named.resume}"
+                    f"more GPUs; {self.named.stop}: {self.named.resume}"
                 ) from None
 
     async def _fetch(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
@@ -489,8 +491,8 @@ class ServedTeacher(Teacher):
                     f"{self.named.model}: the teacher server at {self.url} ({self.api}) answered what cannot be "
                     f"trained on: {err}. Check that it serves this run's teacher and is healthy (an error page, a "
                     f"proxy, another service on that port or a broken build answer so) and that "
-                    f"{self.named.option('api')} is its API; the run stops after a checkpoint of the last whole "
-                    f"step: fix the server, then {self.named.resume}") from None
+                    f"{self.named.option('api')} is its API; {self.named.stop}: fix the server, then "
+                    f"{self.named.resume}") from None
             except (httpx.TransportError, httpx.DecodingError) as err:
                 now = time.monotonic()
                 first_failure = first_failure or now
@@ -498,8 +500,8 @@ class ServedTeacher(Teacher):
                     raise TeacherUnavailable(
                         f"{self.named.model}: the teacher server at {self.url} has not answered for "
                         f"{now - first_failure:.0f} s ({self.named.option('retries_s')}={self.opts['retries_s']:g}; "
-                        f"last: {type(err).__name__}: {err}). The run stops here after a checkpoint: restart the "
-                        f"server, then {self.named.resume}") from None
+                        f"last: {type(err).__name__}: {err}); {self.named.stop}: restart the server, then "
+                        f"{self.named.resume}") from None
                 LOG.warning("teacher server %s: %s; retrying in %.1f s", self.url, err, delay)
                 await asyncio.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
                 delay = min(delay * 2, 10.0)
