@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-bytes", type=int, help="a request body's size; more is refused with HTTP 413 "
                                                               "as it arrives (default: 16 a token of "
                                                               "--max-request-tokens, plus 64 KiB)")
+    parser.add_argument("--max-answer-bytes", type=int, default=limits.answer_bytes,
+                        help="a /v1/topk answer's size (positions x (8 k + 4)); larger is refused with HTTP 413 "
+                             "before the forward (default: %(default)s, the client's max_response_bytes)")
+    parser.add_argument("--max-json-entries", type=int, default=limits.json_entries,
+                        help="positions x (k + 1) of a /v1/completions answer, each a Python object while built; "
+                             "more is refused with HTTP 413 (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--test-faults", action="store_true", help=argparse.SUPPRESS)  # tests: POST /test/fault
     parser.add_argument("--random-weights", action="store_true", help=argparse.SUPPRESS)  # benchmarks: shape only
@@ -118,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
                              "trust")
         LOG.warning("binding %s without --api-key (--allow-unauthenticated): anyone who reaches the port can use "
                     "the teacher", args.host)
-    for flag in ("max_request_rows", "max_request_tokens", "max_request_bytes"):
+    for flag in ("max_request_rows", "max_request_tokens", "max_request_bytes", "max_answer_bytes", "max_json_entries"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"serve_teacher.py: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     model, info = load(args)
-    limits = Limits(rows=args.max_request_rows, tokens=args.max_request_tokens, body_bytes=args.max_request_bytes)
+    limits = Limits(rows=args.max_request_rows, tokens=args.max_request_tokens, body_bytes=args.max_request_bytes,
+                    answer_bytes=args.max_answer_bytes, json_entries=args.max_json_entries)
     app = build_app(Scorer(model, torch.device(args.device), args.max_batch_tokens), info, api_key=args.api_key,
                     test_faults=args.test_faults, limits=limits)
     import uvicorn

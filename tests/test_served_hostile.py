@@ -371,6 +371,16 @@ def test_the_server_refuses_what_is_too_large_or_empty_and_serves_no_api_docs():
     assert wrong.status_code == 401 and client.get("/info").status_code == 200
     assert post("/v1/topk", json={"prompts": [[1, 2, 3]] * 4, "k": 4}).status_code == 200  # at the caps
 
+    post = _app(answer_bytes=8 * (8 * 4 + 4), json_entries=8 * 5)[0].post  # 8 positions at k = 4: 288 B, 40 entries
+    assert post("/v1/topk", json={"prompts": [[1, 2, 3]] * 4, "k": 4}).status_code == 200
+    big = post("/v1/topk", json={"prompts": [[1, 2, 3]] * 4, "k": 5})
+    assert big.status_code == 413 and "the answer would hold 352 bytes, more than this server's 288" in big.text
+    json_answer = {"prompt": [[1, 2, 3]] * 4, "prompt_logprobs": 4, "max_tokens": 1}
+    assert post("/v1/completions", json=json_answer).status_code == 200
+    big = post("/v1/completions", json=json_answer | {"prompt_logprobs": 5})
+    assert big.status_code == 413 and "48 entries, more than this server's 40 (serve_teacher.py --max-json-entries)" \
+        in big.text
+
 
 def test_the_server_holds_one_batchs_logits_at_a_time_and_its_top_k_equals_the_whole_ones():
     from distill_kit.offline.capture import top_k

@@ -23,7 +23,8 @@ Options (``TeacherSpec.options``), with their defaults:
 * ``tokenizer`` (none): a local folder holding the tokenizer the server's model uses. Compared with the server's
   ``tokenizer_sha256`` where it reports one (the project's server), and handed to the run's tokenizer rule as this
   teacher's, so a teacher whose tokenizer differs from the students' is refused before any write.
-* ``api_key_env`` (none): the environment variable holding the server's API key (``Authorization: Bearer``).
+* ``api_key_env`` (none): the environment variable holding the server's API key (``Authorization: Bearer``). A
+  warning, once a process, when it would go over plain ``http://`` to another host than this one.
 * ``timeout_s`` (120): one request's whole deadline (connecting, waiting, reading; 0: none): a server that trickles
   its answer is cut off there, not only one that stalls. ``wait_s`` (300): how long the start waits for the server
   to answer. ``retries_s`` (600): how long a run retries a server that stopped answering, then raises

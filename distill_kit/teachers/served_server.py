@@ -18,7 +18,7 @@ queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``
 ``/openapi.json``.
 
 What one request may ask is capped (:class:`Limits`): its body's bytes (HTTP 413 as it arrives, before any parse),
-its prompts and its tokens (HTTP 413, before any forward); an empty prompt list is HTTP 400. The model's logits
+its prompts, its tokens and its answer's size (HTTP 413, before any forward); an empty prompt list is HTTP 400. The model's logits
 are reduced to the top k one batch of at most ``max_batch_tokens`` tokens at a time, so a request's memory is one
 batch's logits, not every prompt's.
 """
@@ -59,6 +59,12 @@ class Limits:
     tokens: int = 1 << 18
     """Prompt tokens in one request (262,144): 8 rows of 32,768; the forward runs them ``max_batch_tokens`` at a
     time, so this bounds the time a request holds the model, not its memory."""
+    answer_bytes: int = 256 << 20
+    """A ``/v1/topk`` answer's size (positions x (8 k + 4) bytes): the client's default ``max_response_bytes``, so
+    what it would refuse is refused here first, before the forward (262,144 tokens at k = 20 are 43 MB)."""
+    json_entries: int = 1 << 21
+    """Positions x (k + 1) entries of a ``/v1/completions`` answer (2,097,152): each is a Python dict while the JSON
+    is built (~0.5 KB with its text), so ~1 GB at the cap; 8 rows of 8,192 tokens at k = 20 are 1.4M."""
     body_bytes: int | None = None
     """The request body's size; None: 16 bytes a token of :attr:`tokens` plus 64 KiB (4 MiB + 64 KiB): a token id
     below 10^6 is at most 6 digits and ``", "`` in JSON (8 bytes), so twice that, and the rest of the JSON."""
@@ -278,9 +284,19 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
                  "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
         return {"object": "list", "data": [entry | {"distill_kit": get_info()}]}
 
+    def too_large(what: str, size: int, cap: int, flag: str) -> None:
+        if size > cap:
+            raise HTTPException(status_code=413, detail=f"the answer would hold {size} {what}, more than this "
+                                                        f"server's {cap} (serve_teacher.py {flag}): send fewer rows "
+                                                        "a request (rows_per_request), or a smaller k")
+
+    def asked(prompts: list[list[int]]) -> int:  # positions an answer holds
+        return sum(len(p) - 1 for p in prompts)
+
     @app.post("/v1/topk", dependencies=[Depends(authorised)])
     def topk(request: TopKRequest) -> Response:
         prompts = checked(request.prompts, request.k)
+        too_large("bytes", asked(prompts) * (8 * request.k + 4), limits.answer_bytes, "--max-answer-bytes")
         mode = faulty()
         k = _other_k(request.k, max_k) if mode == "other_k" else request.k
         scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
@@ -296,6 +312,8 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
             raise HTTPException(status_code=400, detail="this server scores prompts: send prompt_logprobs: k, "
                                                         "max_tokens: 1, and no logprobs or echo")
         prompts = checked(request.prompt, request.prompt_logprobs)
+        too_large("entries", asked(prompts) * (request.prompt_logprobs + 1), limits.json_entries,
+                  "--max-json-entries")
         mode = faulty()
         k = _other_k(request.prompt_logprobs, max_k) if mode == "other_k" else request.prompt_logprobs
         choices = []
