@@ -12,7 +12,7 @@ mid-run stops after the checkpoint of its last whole step with a non-zero exit a
 against the same weights on another port; the server refuses what is too large (HTTP 413), an empty prompt list
 (400), a wrong key (in constant time), serves no API docs, holds one batch's logits at a time, and will not bind
 another interface without a key unless told. The stubs stop with their test; each test is bounded by its own
-deadlines (timeout_s, wait_s), a few seconds at most; the CLI test ~30 s on 2 shared cores.
+deadlines (timeout_s, wait_s), a few seconds at most; the CLI test ~40 s on 2 shared cores.
 """
 
 from __future__ import annotations
