@@ -18,9 +18,9 @@ queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``
 ``/openapi.json``.
 
 What one request may ask is capped (:class:`Limits`): its body's bytes (HTTP 413 as it arrives, before any parse),
-its prompts, its tokens and its answer's size (HTTP 413, before any forward); an empty prompt list is HTTP 400. The model's logits
-are reduced to the top k one batch of at most ``max_batch_tokens`` tokens at a time, so a request's memory is one
-batch's logits, not every prompt's.
+its prompts, its tokens and its answer's size (HTTP 413, before any forward); an empty prompt list is HTTP 400.
+The model's logits are reduced to the top k one batch of at most ``max_batch_tokens`` tokens at a time, so a
+request's memory is one batch's logits, not every prompt's.
 """
 
 from __future__ import annotations
