@@ -9,12 +9,16 @@ the project's compact ``/v1/topk`` (raw arrays, the exact tail mass), and report
 its model, vocabulary size, tokenizer identity (the vocabulary's sha256) and weights' sha256, which the client
 compares with the run's before any write. It binds 127.0.0.1 unless ``--host`` says otherwise; with ``--api-key``
 (or ``DISTILL_KIT_TEACHER_API_KEY``) every request but ``/health`` needs ``Authorization: Bearer <key>``, as vLLM's
-``--api-key``. The endpoints: ``distill_kit/teachers/served_server.py``; the client: ``teachers/served.py``.
+``--api-key``. Another interface without a key is refused unless ``--allow-unauthenticated`` says so. One
+request's body, prompts and tokens are capped (``--max-request-bytes``, ``--max-request-rows``,
+``--max-request-tokens``). The endpoints: ``distill_kit/teachers/served_server.py``; the client:
+``teachers/served.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import time
@@ -24,7 +28,7 @@ import torch
 
 from distill_kit.engines import fp8, models
 from distill_kit.engines.fingerprint import teacher_fingerprint
-from distill_kit.teachers.served_server import Scorer, build_app
+from distill_kit.teachers.served_server import Limits, Scorer, build_app
 
 LOG = logging.getLogger("serve_teacher")
 
@@ -33,7 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a save_pretrained folder (with its tokenizer, so clients can check theirs)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind; 0.0.0.0 exposes it to the network "
-                                                            "(then give --api-key)")
+                                                            "(then give --api-key, or --allow-unauthenticated)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve a --host other than the loopback without --api-key: anyone who reaches the port "
+                             "can use the teacher (a network you trust only)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--api-key", default=os.environ.get("DISTILL_KIT_TEACHER_API_KEY"),
                         help="required as 'Authorization: Bearer <key>' (default: $DISTILL_KIT_TEACHER_API_KEY)")
@@ -47,6 +54,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, help="the longest prompt (default: the model's positions)")
     parser.add_argument("--max-batch-tokens", type=int, default=65536,
                         help="prompts run together in right-padded batches of at most this many tokens")
+    limits = Limits()
+    parser.add_argument("--max-request-rows", type=int, default=limits.rows,
+                        help="prompts in one request; more is refused with HTTP 413 (default: %(default)s)")
+    parser.add_argument("--max-request-tokens", type=int, default=limits.tokens,
+                        help="prompt tokens in one request; more is refused with HTTP 413 (default: %(default)s)")
+    parser.add_argument("--max-request-bytes", type=int, help="a request body's size; more is refused with HTTP 413 "
+                                                              "as it arrives (default: 16 a token of "
+                                                              "--max-request-tokens, plus 64 KiB)")
+    parser.add_argument("--max-answer-bytes", type=int, default=limits.answer_bytes,
+                        help="a /v1/topk answer's size (positions x (8 k + 4)); larger is refused with HTTP 413 "
+                             "before the forward (default: %(default)s, the client's max_response_bytes)")
+    parser.add_argument("--max-json-entries", type=int, default=limits.json_entries,
+                        help="positions x (k + 1) of a /v1/completions answer, each a Python object while built; "
+                             "more is refused with HTTP 413 (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--test-faults", action="store_true", help=argparse.SUPPRESS)  # tests: POST /test/fault
     parser.add_argument("--random-weights", action="store_true", help=argparse.SUPPRESS)  # benchmarks: shape only
@@ -95,11 +116,22 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        LOG.warning("binding %s without --api-key: anyone who reaches the port can use the teacher", args.host)
+    if not loopback(args.host) and not args.api_key:
+        if not args.allow_unauthenticated:
+            raise SystemExit(f"serve_teacher.py: --host {args.host} without --api-key lets anyone who reaches the "
+                             "port use the teacher: give --api-key (or DISTILL_KIT_TEACHER_API_KEY), bind 127.0.0.1 "
+                             "and reach it through an SSH tunnel, or pass --allow-unauthenticated on a network you "
+                             "trust")
+        LOG.warning("binding %s without --api-key (--allow-unauthenticated): anyone who reaches the port can use "
+                    "the teacher", args.host)
+    for flag in ("max_request_rows", "max_request_tokens", "max_request_bytes", "max_answer_bytes", "max_json_entries"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"serve_teacher.py: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     model, info = load(args)
+    limits = Limits(rows=args.max_request_rows, tokens=args.max_request_tokens, body_bytes=args.max_request_bytes,
+                    answer_bytes=args.max_answer_bytes, json_entries=args.max_json_entries)
     app = build_app(Scorer(model, torch.device(args.device), args.max_batch_tokens), info, api_key=args.api_key,
-                    test_faults=args.test_faults)
+                    test_faults=args.test_faults, limits=limits)
     import uvicorn
 
     while args.bind_when_exists is not None and not args.bind_when_exists.exists():
@@ -108,6 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     LOG.info("serving %s (vocabulary %d, tokenizer %s) on http://%s:%d", info["model"], info["vocab_size"],
              (info["tokenizer_sha256"] or "none")[:12], args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback interface only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from tiny_tokenizers import bpe
 from transformers import AutoModelForCausalLM
 
 from distill_kit.engines import models
-from distill_kit.errors import ConfigError
+from distill_kit.errors import ConfigError, TeacherFault
 from distill_kit.offline.capture import top_k
 from distill_kit.run import cli, run_config
 from distill_kit.teachers import TOP_K, TOP_K_TAIL, Teacher, TeacherCard
@@ -168,7 +168,7 @@ def test_served_losses_equal_the_in_process_teachers_top_k_bitwise(served_run, t
 
 
 def test_a_server_killed_mid_run_stops_it_cleanly_and_resume_ends_as_the_uninterrupted_run(
-        server, served_run, texts, tmp_path, capsys):
+        server, served_run, texts, tmp_path):
     out = tmp_path / "killed"
     args = _args(texts, out, _served(server.url))
     killed = threading.Event()
@@ -185,14 +185,15 @@ def test_a_server_killed_mid_run_stops_it_cleanly_and_resume_ends_as_the_uninter
 
     watcher = threading.Thread(target=kill_after_step_two, daemon=True)
     watcher.start()
-    assert _run(args) is None  # stopped, no report
+    with pytest.raises(TeacherFault) as failed:  # stopped, no report: an error (the CLI exits 1 with its message)
+        _run(args)
     watcher.join(timeout=10)
     assert killed.is_set()
     stopped = len(_losses(out))
     assert 2 <= stopped < STEPS
-    printed = capsys.readouterr().out
-    assert "stopped by the teacher being unavailable" in printed and "has not answered" in printed
-    assert f"at step {stopped}; checkpoint saved. Continue with: --output_dir {out} --resume" in printed
+    message = str(failed.value)
+    assert message.startswith("stopped by the teacher being unavailable") and "has not answered" in message
+    assert f"at step {stopped}; checkpoint saved. Continue with: --output_dir {out} --resume" in message
     assert _checkpoints(out)[-1] == stopped  # the last whole step, nothing of the unfinished one
     assert _losses(out) == _losses(served_run)[:stopped]
     assert not (out / "report.json").exists()

@@ -6,7 +6,8 @@ is killed at the end. Checked: its targets equal the in-process teacher's top-k
 (bitwise through the binary endpoint, which scores the micro-batch as one padded batch as the in-process forward
 does; within a float32 bound through the vLLM-compatible JSON, scored a prompt at a time), so the losses equal too;
 a tokenizer other than the server's refused before anything is built; every fault (slow, empty, truncated,
-non-JSON, other tokens, another k, down at start, died and restarted, gone for good); the vLLM and SGLang fixtures,
+non-JSON, other tokens, another k, down at start, died and restarted, gone for good); requests past its caps or
+empty refused, no API docs served; the vLLM and SGLang fixtures,
 written from their schemas, parse to the same targets; a store captured from the server equals an in-process
 capture's, bitwise, and what it cannot serve is refused before any write. About 60 s on 2 shared CPU cores, most
 of it imports and the server's start.
@@ -269,6 +270,27 @@ def test_vllm_json_and_row_by_row_requests_agree_within_a_float32_bound(server, 
         assert (tail.exp() - want.log_tail[keep].exp()).abs().max() < 1e-5
 
 
+def test_the_server_refuses_empty_and_oversized_requests_and_serves_no_api_docs(server):
+    """The real process at its default caps (served_server.Limits): 1,024 prompts, 262,144 tokens, a 4 MiB + 64 KiB
+    body; each refused before any forward, with the flag that raises it."""
+    def post(body: dict | bytes) -> httpx.Response:
+        content = body if isinstance(body, bytes) else None
+        return httpx.post(server.url + "/v1/topk", json=None if content else body, content=content, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+
+    empty = post({"prompts": [], "k": 4})
+    assert empty.status_code == 400 and "empty" in empty.text
+    rows = post({"prompts": [[1, 2]] * 1025, "k": 4})
+    assert rows.status_code == 413 and "at most 1024 (serve_teacher.py --max-request-rows)" in rows.text
+    tokens = post({"prompts": [[1] * 4096] * 64 + [[1, 2]], "k": 4})
+    assert tokens.status_code == 413 and "262146 prompt tokens in one request" in tokens.text
+    body = post(b'{"prompts": [[1, 2]], "k": 4, "pad": "' + b"x" * (5 << 20) + b'"}')
+    assert body.status_code == 413 and "--max-request-bytes" in body.text
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 404
+    assert httpx.get(server.url + "/info", headers={"Authorization": f"Bearer {KEY}x"}, timeout=10).status_code == 401
+
+
 def test_prefetch_sends_the_next_batch_early_and_forward_takes_its_answer(server):
     served = teacher(server.url, rows_per_request=2, max_in_flight=4)
     first, second = batches(2, seed=5)
@@ -351,7 +373,7 @@ def test_a_store_captured_from_the_server_equals_one_captured_in_process(server,
 
 @pytest.mark.parametrize("api", ["distill_kit", "vllm"])
 @pytest.mark.parametrize("mode, match", [("empty", "empty body"), ("garbage", "not (JSON|a distill_kit top-k)"),
-                                         ("truncate", "truncated|not JSON"), ("other_tokens", "other tokens"),
+                                         ("truncate", "cut off|not JSON"), ("other_tokens", "other tokens"),
                                          ("other_k", "k = ")])
 def test_a_bad_answer_is_refused_never_trained_on(server, api, mode, match):
     served = teacher(server.url, api=api, rows_per_request=B)

@@ -24,13 +24,13 @@ from distill_kit.data.corpus import write_corpus
 from distill_kit.distiller import Distiller
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
-from distill_kit.errors import CheckpointError, ConfigError
+from distill_kit.errors import CheckpointError, ConfigError, StepFault
 from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
 from distill_kit.tasks import harness
-from distill_kit.teachers import self_teacher
+from distill_kit.teachers import self_teacher, served
 from distill_kit.training import checkpoint, rewarding
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, student_init
 
@@ -127,6 +127,16 @@ def run_identity(config: RunConfig) -> dict[str, Any]:
         for part in parents:
             node = node[part]
         node.pop(leaf, None)
+    # A served teacher is its weights, not its address: the checkpoint's teacher sha256 (the server's weights')
+    # decides whether a resume continues, so the same weights served on another host or port may resume; and how
+    # its requests travel (timeout_s, retries_s, ...) changes nothing trained on, so it may change across a resume.
+    if served.is_url(identity.get("teacher")):
+        identity["teacher"] = "served"
+    for entry in identity.get("teachers") or ():
+        if isinstance(entry, dict) and served.is_url(entry.get("model")):
+            entry["model"] = "served"
+            if isinstance(entry.get("options"), dict):
+                entry["options"] = {k: v for k, v in entry["options"].items() if k not in served.TRANSPORT_OPTIONS}
     return identity
 
 
@@ -237,7 +247,9 @@ def _input_errors(what: str) -> Iterator[None]:
 
 
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
-    """The whole job; returns the report's summary on every rank (None when a signal stopped it).
+    """The whole job; returns the report's summary on every rank (None when a signal stopped it). A teacher that
+    failed mid-run (a server down too long, an answer that cannot be trained on, a reward failing) raises its :class:`StepFault` after
+    the checkpoint of the last whole step, its message saying how to continue.
 
     Every check that needs no work comes first (``validate.py``); the output folder is claimed (locked, then its
     ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing
@@ -306,9 +318,12 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     finished = train_students(config, students, train_loader, eval_loader, log)
     log.close()
     if not finished:
+        stopped = (f"stopped by {students.stopped_by} at step {students.step}; checkpoint saved. "
+                   f"Continue with: --output_dir {out} --resume")
+        if students.stop_error is not None:  # not a stop the user asked for: an error (the CLI exits 1)
+            raise type(students.stop_error)(stopped) from students.stop_error
         if distributed.is_main():
-            print(f"stopped by {students.stopped_by} at step {students.step}; checkpoint saved. "
-                  f"Continue with: --output_dir {out} --resume")
+            print(stopped)
         return None
     return write_report(config, students, out, tokenizer, params, log, data_config, started)
 
@@ -408,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"data error: {err}") from None
     except CheckpointError as err:  # e.g. a disk that filled during a save: the cause, the space, the fix
         raise SystemExit(f"checkpoint error: {err}") from None
+    except StepFault as err:  # a served teacher down or answering wrongly, a reward failing: checkpointed, resumable
+        raise SystemExit(f"{err.label}: {err}") from None
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)

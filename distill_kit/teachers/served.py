@@ -23,33 +23,45 @@ Options (``TeacherSpec.options``), with their defaults:
 * ``tokenizer`` (none): a local folder holding the tokenizer the server's model uses. Compared with the server's
   ``tokenizer_sha256`` where it reports one (the project's server), and handed to the run's tokenizer rule as this
   teacher's, so a teacher whose tokenizer differs from the students' is refused before any write.
-* ``api_key_env`` (none): the environment variable holding the server's API key (``Authorization: Bearer``).
-* ``timeout_s`` (120): one request's limit. ``wait_s`` (300): how long the start waits for the server to answer.
-  ``retries_s`` (600): how long a run retries a server that stopped answering, then raises
+* ``api_key_env`` (none): the environment variable holding the server's API key (``Authorization: Bearer``). A
+  warning, once a process, when it would go over plain ``http://`` to another host than this one.
+* ``timeout_s`` (120): one request's whole deadline (connecting, waiting, reading; 0: none): a server that trickles
+  its answer is cut off there, not only one that stalls. ``wait_s`` (300): how long the start waits for the server
+  to answer. ``retries_s`` (600): how long a run retries a server that stopped answering, then raises
   :class:`TeacherUnavailable` (the run checkpoints and exits; ``--resume`` when the server is back).
+* ``max_response_bytes`` (256 MiB): the largest answer read; a larger one is refused as it arrives.
 * ``rows_per_request`` (8), ``max_in_flight`` (4).
+
+Every answer is checked before anything trains on it (``served_protocol.parse``: JSON types, counts, shapes, ids
+inside the vocabulary, log-probabilities finite-or--inf and <= 0, masses <= 1); one that fails raises
+:class:`TeacherResponseError` naming the server and the field, and the run stops as on an unavailable server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import hashlib
+import ipaddress
+import json
 import logging
 import os
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from distill_kit.config import TeacherSpec
-from distill_kit.errors import ConfigError
+from distill_kit.errors import ConfigError, TeacherFault
 from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
@@ -60,10 +72,17 @@ LOG = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokenizer": None, "api_key_env": None,
                             "timeout_s": 120.0, "wait_s": 300.0, "retries_s": 600.0, "rows_per_request": 8,
-                            "max_in_flight": 4}
+                            "max_in_flight": 4, "max_response_bytes": 256 << 20}
+# max_response_bytes: the defaults' 8 rows of 2,048 tokens at k = 20 are 2.7 MB from /v1/topk (8 bytes an id and
+# value) and ~26 MB as vLLM's JSON (k + 1 entries of ~75 bytes a position); 256 MiB leaves ~10x that for longer rows
+# or a larger k, and bounds the memory max_in_flight answers can take. Past it: lower rows_per_request.
+TRANSPORT_OPTIONS = ("api_key_env", "timeout_s", "wait_s", "retries_s", "rows_per_request", "max_in_flight",
+                     "max_response_bytes")
+"""The options that say how requests travel, not what comes back: a resumed run may change them (the others, and
+the weights' sha256, are the teacher's identity)."""
 
-__all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
-           "TeacherUnavailable", "is_url"]
+__all__ = ["TRANSPORT_OPTIONS", "ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError",
+           "TeacherTimeout", "TeacherUnavailable", "is_url"]
 
 
 def is_url(model: object) -> bool:
@@ -80,6 +99,10 @@ class Labels:
     model: str
     options: str
     sep: str = "."
+    stop: str = "the run stops after a checkpoint of the last whole step"
+    """What a teacher fault mid-way does (a run: the loop's rewind and checkpoint; the capture script: its parts)."""
+    resume: str = "resume with --resume"
+    """How to continue once the server is fixed (a run: ``--resume``; the capture script: run it again)."""
 
     def option(self, name: str) -> str:
         return f"{self.options}{self.sep}{name}"
@@ -129,7 +152,7 @@ def options_of(spec: TeacherSpec) -> dict[str, Any]:
     key, problems = labels(spec).options, []
     if opts["api"] not in protocol.APIS:
         problems.append(f"api {opts['api']!r}: choose one of {', '.join(protocol.APIS)}")
-    for name in ("k", "rows_per_request", "max_in_flight"):
+    for name in ("k", "rows_per_request", "max_in_flight", "max_response_bytes"):
         if not (isinstance(opts[name], int) and not isinstance(opts[name], bool) and opts[name] >= 1):
             problems.append(f"{name} must be an integer >= 1, got {opts[name]!r}")
     for name in ("timeout_s", "wait_s", "retries_s"):
@@ -145,17 +168,116 @@ def options_of(spec: TeacherSpec) -> dict[str, Any]:
     return opts
 
 
-def _client(opts: Mapping[str, Any]) -> Any:
-    import httpx
+class Transport:
+    """The client's HTTP: an ``httpx.AsyncClient`` on an event loop of its own (a daemon thread). A request's
+    deadline (``timeout_s``) cancels it wherever it waits (connecting, the headers, a body trickled a byte at a
+    time), which httpx's per-read timeouts cannot; its body is read up to ``max_response_bytes`` and refused as soon
+    as it passes them. :meth:`submit` returns a ``concurrent.futures.Future``; at most ``max_in_flight`` requests run
+    at once, the rest queued with their deadline not yet started."""
 
-    quiet = logging.getLogger("httpx")  # an INFO line per request (one or more a micro-batch) would bury the run's
-    if quiet.level == logging.NOTSET:   # log; its warnings stay, and a level the user set is kept
-        quiet.setLevel(logging.WARNING)
-    key = os.environ.get(opts["api_key_env"]) if opts["api_key_env"] else None
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    limits = httpx.Limits(max_connections=opts["max_in_flight"] + 1, max_keepalive_connections=opts["max_in_flight"])
-    return httpx.Client(headers=headers, timeout=httpx.Timeout(opts["timeout_s"], connect=min(10.0, opts["timeout_s"]
-                                                                                             or 10.0)), limits=limits)
+    def __init__(self, url: str, opts: Mapping[str, Any], named: Labels):
+        import httpx
+
+        quiet = logging.getLogger("httpx")  # an INFO line per request (one or more a micro-batch) would bury the
+        if quiet.level == logging.NOTSET:   # run's log; its warnings stay, and a level the user set is kept
+            quiet.setLevel(logging.WARNING)
+        self.url, self.opts, self.named = url, opts, named
+        key = os.environ.get(opts["api_key_env"]) if opts["api_key_env"] else None
+        if key:
+            _warn_if_plain_http(url, named)
+        headers = {"Accept-Encoding": "identity"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        limits = httpx.Limits(max_connections=opts["max_in_flight"] + 1,
+                              max_keepalive_connections=opts["max_in_flight"])
+        # httpx's own timeouts: only connecting (a host that drops packets: retried as unreachable); the deadline
+        # covers the rest
+        deadline = opts["timeout_s"] or None
+        self.client = httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(
+            None, connect=min(10.0, deadline or 10.0)))
+        self.slots = asyncio.Semaphore(opts["max_in_flight"])
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="served-teacher", daemon=True)
+        self.thread.start()
+
+    def submit(self, work: Coroutine[Any, Any, Any]) -> Future:
+        return asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    async def fetch(self, method: str, path: str, body: Any = None, *, what: str = "") -> tuple[int, bytes]:
+        """One request: its status and body. :class:`TeacherTimeout` past ``timeout_s``, :class:`TeacherResponseError`
+        past ``max_response_bytes``; httpx's transport errors pass through (the caller retries them)."""
+        deadline = self.opts["timeout_s"] or None
+        async with self.slots:
+            try:
+                return await asyncio.wait_for(self._fetch(method, path, body), deadline)
+            except asyncio.TimeoutError:
+                raise TeacherTimeout(
+                    f"{self.named.model}: the teacher server at {self.url} did not answer {path} within timeout_s="
+                    f"{deadline:g} s{what}. A loaded or slow server (or one that trickles its answer): raise "
+                    f"{self.named.option('timeout_s')}, lower {self.named.option('rows_per_request')}, or give it "
+                    f"more GPUs; {self.named.stop}: {self.named.resume}"
+                ) from None
+
+    async def _fetch(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
+        cap = int(self.opts["max_response_bytes"])
+        async with self.client.stream(method, self.url + path, json=body) as reply:
+            length = reply.headers.get("content-length", "")
+            if length.isdigit() and int(length) > cap:
+                raise self.too_large(f"Content-Length {int(length)}")
+            chunks, size = [], 0
+            async for chunk in reply.aiter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise self.too_large(f"{size} bytes read")
+                chunks.append(chunk)
+            return reply.status_code, b"".join(chunks)
+
+    def too_large(self, seen: str) -> TeacherResponseError:
+        return TeacherResponseError(
+            f"the answer is larger than {self.named.option('max_response_bytes')} = {self.opts['max_response_bytes']} "
+            f"bytes ({seen}): a server gone wrong, or requests too large for the cap (lower "
+            f"{self.named.option('rows_per_request')}, or raise {self.named.option('max_response_bytes')})")
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the connections, stop the loop."""
+        if self.loop.is_closed():
+            return
+
+        async def shut() -> None:
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            await self.client.aclose()
+
+        with contextlib.suppress(Exception):
+            self.submit(shut()).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+_WARNED_PLAIN_HTTP: set[str] = set()
+
+
+def _warn_if_plain_http(url: str, named: Labels) -> None:
+    """Once a process per URL: the API key is about to go in clear text to a host other than this machine."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        local = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = host == "localhost"
+    if parts.scheme == "http" and not local and url not in _WARNED_PLAIN_HTTP:
+        _WARNED_PLAIN_HTTP.add(url)
+        LOG.warning("%s: the API key goes to %s over plain http://, readable by anyone on the path: serve the "
+                    "teacher behind https:// (a TLS proxy), or reach it through an SSH tunnel to 127.0.0.1",
+                    named.model, url)
 
 
 def server_info(url: str, opts: Mapping[str, Any], named: Labels) -> dict[str, Any]:
@@ -165,21 +287,22 @@ def server_info(url: str, opts: Mapping[str, Any], named: Labels) -> dict[str, A
 
     api, deadline, last = opts["api"], time.monotonic() + opts["wait_s"], "no answer"
     path = protocol.INFO_ENDPOINTS[api]
-    with _client(opts) as client:
+    with Transport(url, opts, named) as transport:
         while True:
+            status, document = None, None
             try:
-                reply = client.get(url.rstrip("/") + path)
-                document = reply.json() if reply.status_code == 200 else None
-            except (httpx.TransportError, ValueError) as err:
-                reply, last = None, f"{type(err).__name__}: {err}"
-            if reply is not None and reply.status_code == 401:
+                status, content = transport.submit(transport.fetch("GET", path)).result()
+                document = json.loads(content) if status == 200 else None
+            except (httpx.TransportError, ValueError, TeacherFault) as err:  # a bad answer is a ValueError too
+                last = f"{type(err).__name__}: {err}"
+            if status == 401:
                 raise ConfigError(f"{named.model}: the server at {url} refused the API key (HTTP 401); set "
                                   f"{named.option('api_key_env')} to the environment variable holding its --api-key")
-            if reply is not None and document is not None:
+            if document is not None:
                 return _info(api, document, url, named)
-            if reply is not None:
-                last = f"HTTP {reply.status_code} from {path}: {reply.text[:200]}"
-                if reply.status_code == 404:
+            if status is not None and status != 200:
+                last = f"HTTP {status} from {path}: {content[:200].decode('utf-8', 'replace')}"
+                if status == 404:
                     break  # another API on that port: waiting will not help
             if time.monotonic() >= deadline:
                 break
@@ -192,17 +315,38 @@ def server_info(url: str, opts: Mapping[str, Any], named: Labels) -> dict[str, A
                       f"{named.option('api')} ({api}), or raise {named.option('wait_s')} while it loads")
 
 
+INFO_TYPES: dict[str, tuple[type, ...]] = {"model": (str,), "vocab_size": (int,), "tokenizer_sha256": (str,),
+                                           "teacher_sha256": (str,), "max_k": (int,), "max_model_len": (int,),
+                                           "config": (dict,)}
+"""What each field a server reports of itself must be (null allowed): a start trusts none it cannot read."""
+
+
 def _info(api: str, document: Any, url: str, named: Labels) -> dict[str, Any]:
+    """The facts a server reports of itself, each of the type :data:`INFO_TYPES` says, or one ``ConfigError``."""
+    path = protocol.INFO_ENDPOINTS[api]
+    if not isinstance(document, dict):
+        raise ConfigError(f"{named.model}: {url}{path} answered {type(document).__name__}, not a JSON object: is "
+                          f"that a {api} server ({named.option('api')})?")
     if api == "distill_kit":
-        return dict(document)
-    if api == "vllm":
-        data = document.get("data") if isinstance(document, dict) else None
-        if not data:
+        info = dict(document)
+    elif api == "vllm":
+        data = document.get("data")
+        if not (isinstance(data, list) and data and isinstance(data[0], dict)):
             raise ConfigError(f"{named.model}: {url}/v1/models lists no model")
         entry = data[0]
-        return {"model": entry.get("id"), "max_model_len": entry.get("max_model_len"),
-                **(entry.get("distill_kit") or {})}
-    return {"model": document.get("model_path"), **{k: document[k] for k in ("max_model_len",) if k in document}}
+        extra = entry.get("distill_kit")
+        info = {"model": entry.get("id"), "max_model_len": entry.get("max_model_len"),
+                **(extra if isinstance(extra, dict) else {})}
+    else:
+        info = {"model": document.get("model_path"), "max_model_len": document.get("max_model_len")}
+    wrong = [f"{name} is {json.dumps(info[name], default=str)[:40]}" for name, types in INFO_TYPES.items()
+             if info.get(name) is not None and (not isinstance(info[name], types) or isinstance(info[name], bool)
+                                                or (types == (int,) and info[name] < 1))]
+    if wrong:
+        raise ConfigError(f"{named.model}: {url}{path} reports {', '.join(wrong)}: not a teacher server's facts "
+                          f"(a number >= 1, a string or an object where each belongs); check the URL and "
+                          f"{named.option('api')}")
+    return info
 
 
 class ServedTeacher(Teacher):
@@ -238,6 +382,10 @@ class ServedTeacher(Teacher):
         config = _config(info.get("config"))
         text = config.get_text_config() if config is not None else None
         vocab = info.get("vocab_size") or (getattr(text, "vocab_size", None) if text is not None else None)
+        if vocab is None and local is not None and (Path(local) / "config.json").is_file():
+            from distill_kit.engines.models import model_config  # vLLM, SGLang: the served model's folder says
+
+            vocab = getattr(model_config(local).get_text_config(), "vocab_size", None)
         outputs = {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
         return ServedCard(
             kind=cls.kind, source=url, outputs=frozenset(outputs), can_generate=False, vocab_size=vocab,
@@ -255,8 +403,12 @@ class ServedTeacher(Teacher):
         self.api, self.k = self.opts["api"], int(self.opts["k"])
         self.served_model = card.served_model if isinstance(card, ServedCard) else None
         self.device = setup.device
-        self.client = _client(self.opts)
-        self.pool = ThreadPoolExecutor(max_workers=self.opts["max_in_flight"], thread_name_prefix="served-teacher")
+        self.vocab_size = card.vocab_size  # the bound of the ids an answer may hold
+        if self.vocab_size is None:
+            LOG.warning("%s: the server at %s reports no vocabulary size: its answers' ids are checked only to be "
+                        ">= 0; give %s the served model's folder (with its config.json) to check them against it",
+                        self.named.model, self.url, self.named.option("tokenizer"))
+        self.transport = Transport(self.url, self.opts, self.named)
         self.pending: OrderedDict[str, tuple[list[tuple[int, np.ndarray]], list[Future]]] = OrderedDict()
         self.lock = threading.Lock()
         self.waited_s = 0.0
@@ -291,7 +443,7 @@ class ServedTeacher(Teacher):
         segments = prompts_of(inputs)
         prompts = [tokens.tolist() for _, tokens, _ in segments]
         size = self.opts["rows_per_request"]
-        futures = [self.pool.submit(self._request, prompts[i:i + size]) for i in range(0, len(prompts), size)]
+        futures = [self.transport.submit(self._request(prompts[i:i + size])) for i in range(0, len(prompts), size)]
         return segments, futures
 
     def _assemble(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
@@ -313,43 +465,46 @@ class ServedTeacher(Teacher):
 
     # ----------------------------------------------------------------------------------------- one request
 
-    def _request(self, prompts: list[list[int]]) -> list[PromptTargets]:
-        """One request, retried with backoff while the server is unreachable or restarting, for ``retries_s``."""
+    async def _request(self, prompts: list[list[int]]) -> list[PromptTargets]:
+        """One request, retried with backoff while the server is unreachable or restarting, for ``retries_s``; its
+        answer checked whole (``protocol.parse``) before it is returned."""
         import httpx
 
         body = protocol.request_body(self.api, prompts, self.k, self.served_model)
-        url = self.url + protocol.ENDPOINTS[self.api]
+        path = protocol.ENDPOINTS[self.api]
+        what = f" ({len(prompts)} prompts, {sum(map(len, prompts))} tokens)"
         first_failure, delay = None, 0.5
         while True:
             try:
-                reply = self.client.post(url, json=body)
-                if reply.status_code in (502, 503, 504):
-                    raise httpx.TransportError(f"HTTP {reply.status_code}")
-                if reply.status_code == 401:
+                status, content = await self.transport.fetch("POST", path, body, what=what)
+                if status in (502, 503, 504):
+                    raise httpx.TransportError(f"HTTP {status}")
+                if status == 401:
                     raise ConfigError(f"{self.named.model}: the server at {self.url} refused the API key (HTTP "
                                       f"401); set {self.named.option('api_key_env')} to the variable holding its "
                                       "--api-key")
-                if reply.status_code != 200:
-                    raise TeacherResponseError(f"the teacher server at {url} answered HTTP {reply.status_code}: "
-                                               f"{reply.text[:300]}")
-                return protocol.parse(self.api, reply.content, prompts, self.k)
-            except httpx.TimeoutException as err:
-                raise TeacherTimeout(
-                    f"the teacher server at {url} did not answer within timeout_s={self.opts['timeout_s']:g} s "
-                    f"({type(err).__name__}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens). A loaded or "
-                    f"slow server: raise {self.named.option('timeout_s')}, lower "
-                    f"{self.named.option('rows_per_request')}, or give it more GPUs; "
-                    "the run checkpoints here, resume with --resume") from None
+                if status != 200:
+                    raise TeacherResponseError(f"HTTP {status} to {path}{what}: "
+                                               f"{content[:300].decode('utf-8', 'replace')}")
+                return protocol.parse(self.api, content, prompts, self.k, self.vocab_size)
+            except TeacherResponseError as err:
+                raise TeacherResponseError(
+                    f"{self.named.model}: the teacher server at {self.url} ({self.api}) answered what cannot be "
+                    f"trained on: {err}. Check that it serves this run's teacher and is healthy (an error page, a "
+                    f"proxy, another service on that port or a broken build answer so) and that "
+                    f"{self.named.option('api')} is its API; {self.named.stop}: fix the server, then "
+                    f"{self.named.resume}") from None
             except (httpx.TransportError, httpx.DecodingError) as err:
                 now = time.monotonic()
                 first_failure = first_failure or now
                 if now - first_failure >= self.opts["retries_s"]:
                     raise TeacherUnavailable(
-                        f"the teacher server at {self.url} has not answered for {now - first_failure:.0f} s "
-                        f"(retries_s={self.opts['retries_s']:g}; last: {type(err).__name__}: {err}). The run stops "
-                        "here after a checkpoint: restart the server, then resume with --resume") from None
+                        f"{self.named.model}: the teacher server at {self.url} has not answered for "
+                        f"{now - first_failure:.0f} s ({self.named.option('retries_s')}={self.opts['retries_s']:g}; "
+                        f"last: {type(err).__name__}: {err}); {self.named.stop}: restart the server, then "
+                        f"{self.named.resume}") from None
                 LOG.warning("teacher server %s: %s; retrying in %.1f s", self.url, err, delay)
-                time.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
+                await asyncio.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
                 delay = min(delay * 2, 10.0)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -364,8 +519,7 @@ class ServedTeacher(Teacher):
         return f"served:{self.api}:{self.url}:{getattr(card, 'served_model', None)}"
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.client.close()
+        self.transport.close()
 
 
 def prompts_of(inputs: Mapping[str, Any]) -> list[tuple[int, np.ndarray, np.ndarray]]:

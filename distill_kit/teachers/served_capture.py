@@ -62,7 +62,9 @@ def capture(url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
         return _capture(spec, url, tokenizer, blocks, out, config)
 
 
-FLAGS = served.Labels(model="--teacher", options="--teacher-options", sep=" ")
+FLAGS = served.Labels(model="--teacher", options="--teacher-options", sep=" ",
+                      stop="the capture stops, the parts written so far kept",
+                      resume="run the same capture command again (it resumes where the store stopped)")
 """How the served client's messages name the server and its options in this script (``capture_teacher.py``)."""
 
 

@@ -20,8 +20,10 @@ The last token's prediction (past the row's end) is never asked for: no loss cou
   response of raw little-endian arrays after a small JSON header (:func:`encode_topk`): no per-entry parsing, and
   the tail's exact mass (a logsumexp over the other tokens, as the capture computes it).
 
-Every parser refuses (:class:`TeacherResponseError`) a body that is empty, truncated, not JSON, for other tokens,
-or of another k; nothing received is executed or unpickled (JSON and ``numpy.frombuffer`` of plain numbers only).
+Every parser refuses (:class:`TeacherResponseError`, naming the field) a body that is empty, cut off, not JSON, of
+other JSON types than the schema's, for other tokens, of another k or count; :func:`check_targets` then refuses
+values that cannot be trained on (ids outside the vocabulary, log-probabilities NaN or above 0, masses past 1).
+Nothing received is executed or unpickled (JSON and ``numpy.frombuffer`` of plain numbers only).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from distill_kit.errors import TeacherUnavailable
+from distill_kit.errors import TeacherResponseError, TeacherUnavailable
 
 APIS = ("distill_kit", "vllm", "sglang")
 MAGIC = b"DKT1"
@@ -47,11 +49,9 @@ VLLM_NEG_INF = -9999.0
 
 
 class TeacherTimeout(TeacherUnavailable):
-    """One request took longer than ``timeout_s``; the message names the figure and how to raise it."""
+    """One request took longer than ``timeout_s`` (its whole deadline); the message names the figure and how to
+    raise it."""
 
-
-class TeacherResponseError(ValueError):
-    """A response that cannot be trained on: empty, truncated, not JSON, for other tokens or another k."""
 
 
 @dataclass(frozen=True)
@@ -109,62 +109,202 @@ ENDPOINTS = {"vllm": "/v1/completions", "sglang": "/generate", "distill_kit": "/
 INFO_ENDPOINTS = {"vllm": "/v1/models", "sglang": "/get_model_info", "distill_kit": "/info"}
 
 
-def parse(api: str, body: bytes, prompts: Sequence[Sequence[int]], k: int) -> list[PromptTargets]:
-    """``api``'s response ``body`` to ``prompts`` as one :class:`PromptTargets` per prompt, or a refusal."""
+LOG_PROB_SLACK = 1e-3
+"""How far above 0 a log-probability, or the log of a position's summed mass, may read and still count as <= 0.
+A server's float32 log_softmax is ``x - logsumexp(x)``, each term rounded to eps32 = 2^-23 (~1.2e-7) of its size:
+at logits up to ~1e3 that is ~1.2e-4 absolute, and 1e-3 is ~8x that. A value past it is no probability (a broken
+or hostile server's +0.5), and the mass it lets through beyond 1 (e^0.001 - 1, 0.1%) is too little to matter."""
+
+FIELDS = {
+    "distill_kit": {"ids": "ids[{n}]", "log_probs": "log_probs[{n}]", "log_tail": "log_tail[{n}]"},
+    "vllm": {"ids": "choices[{p}].prompt_logprobs[{e}] (its keys)",
+             "log_probs": "choices[{p}].prompt_logprobs[{e}][...].logprob", "log_tail": "log_tail"},
+    "sglang": {"ids": "[{p}].meta_info.input_top_logprobs[{e}][{r}][1]",
+               "log_probs": "[{p}].meta_info.input_top_logprobs[{e}][{r}][0]", "log_tail": "log_tail"},
+}
+"""Where each checked value sits in ``api``'s answer, for the error: ``p`` the prompt, ``e`` the entry (our row
+``j`` is entry ``j + 1`` in vLLM's and SGLang's lists, whose first is null), ``r`` the rank - 1, ``n`` the row of
+the binary arrays."""
+
+
+def parse(api: str, body: bytes, prompts: Sequence[Sequence[int]], k: int,
+          vocab_size: int | None = None) -> list[PromptTargets]:
+    """``api``'s response ``body`` to ``prompts`` as one :class:`PromptTargets` per prompt, every value checked
+    (:func:`check_targets`), or a :class:`TeacherResponseError` naming the field. ``vocab_size``: the teacher's,
+    the bound of its ids (None: only ``>= 0`` is checked)."""
     if not body:
-        raise TeacherResponseError("the teacher server answered with an empty body")
+        raise TeacherResponseError("the answer is an empty body")
     if api == "distill_kit":
-        return decode_topk(body, prompts, k)
-    document = _json(body)
-    return parse_vllm(document, prompts, k) if api == "vllm" else parse_sglang(document, prompts, k)
+        targets = decode_topk(body, prompts, k)
+    else:
+        document = _json(body)
+        targets = parse_vllm(document, prompts, k) if api == "vllm" else parse_sglang(document, prompts, k)
+    check_targets(targets, prompts, k, vocab_size, api)
+    return targets
+
+
+def check_targets(targets: Sequence[PromptTargets], prompts: Sequence[Sequence[int]], k: int,
+                  vocab_size: int | None, api: str = "distill_kit") -> None:
+    """Refuse targets that cannot be trained on, naming the prompt, the position and the field: another count or
+    shape than asked for; ids outside ``[0, vocab_size)`` or repeated within a position; log-probabilities that are
+    NaN or above 0 (past :data:`LOG_PROB_SLACK`), a position whose every value is -inf (no mass at all), k values
+    whose probabilities sum past 1; a tail that is NaN or above 0, or that with the k does not make 1. ``-inf`` is a
+    log-probability (a token the teacher rules out); ``+inf`` is none."""
+    fields = FIELDS[api]
+    if len(targets) != len(prompts):
+        raise TeacherResponseError(f"{len(targets)} prompts answered for {len(prompts)} sent")
+    start = 0
+    for number, (target, prompt) in enumerate(zip(targets, prompts, strict=True)):
+        rows = max(len(prompt) - 1, 0)
+
+        def where(field: str, row: int, column: int | None = None, number: int = number, start: int = start) -> str:
+            name = fields[field].format(p=number, e=row + 1, n=start + row, r="..." if column is None else column)
+            return f"prompt {number}, position {row}: {name}" + ("" if column is None else f" (rank {column + 1})")
+
+        ids, values, tail = target.ids, target.log_probs, target.log_tail
+        for name, array, shape in (("ids", ids, (rows, k)), ("log_probs", values, (rows, k)),
+                                   ("log_tail", tail, (rows,))):
+            if array is not None and tuple(array.shape) != shape:
+                raise TeacherResponseError(f"prompt {number}: {name} has shape {tuple(array.shape)}, {shape} asked "
+                                           f"for ({len(prompt)} tokens at k = {k})")
+        if not rows:
+            continue
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TeacherResponseError(f"prompt {number}: ids are {ids.dtype}, not integers")
+        high = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+        bad = (ids < 0) | (ids >= high)
+        if bad.any():
+            row, column = map(int, np.argwhere(bad)[0])
+            bound = f"[0, {vocab_size}) (the teacher's vocabulary)" if vocab_size is not None else ">= 0"
+            raise TeacherResponseError(f"{where('ids', row, column)} = {int(ids[row, column])}: not a token id; "
+                                       f"ids are in {bound}")
+        ordered = np.sort(ids, axis=-1)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        if repeated.any():
+            row = int(np.flatnonzero(repeated)[0])
+            raise TeacherResponseError(f"{where('ids', row)}: an id given twice in one position "
+                                       f"({sorted(ids[row].tolist())})")
+        wide = values.astype(np.float64)
+        for bad, what in ((np.isnan(wide), "NaN, not a log-probability"),
+                          (wide > LOG_PROB_SLACK, "above 0: a log-probability is <= 0")):
+            if bad.any():
+                row, column = map(int, np.argwhere(bad)[0])
+                raise TeacherResponseError(f"{where('log_probs', row, column)} = {float(values[row, column])!r}: "
+                                           f"{what}")
+        empty = ~np.isfinite(wide).any(-1)
+        if empty.any():
+            row = int(np.flatnonzero(empty)[0])
+            raise TeacherResponseError(f"{where('log_probs', row)}: every one of the k values is -inf (no "
+                                       "probability at all); a finite top value is needed")
+        with np.errstate(divide="ignore"):  # every value <= slack here: exp cannot overflow (9x faster than a
+            mass = np.log(np.exp(wide).sum(-1))  # logaddexp.reduce, the same to float64's rounding)
+        over = mass > LOG_PROB_SLACK
+        if over.any():
+            row = int(np.flatnonzero(over)[0])
+            raise TeacherResponseError(f"{where('log_probs', row)}: the k probabilities sum to "
+                                       f"{float(np.exp(mass[row])):.6g}, more than 1")
+        if tail is not None:
+            wide_tail = tail.astype(np.float64)
+            with np.errstate(invalid="ignore"):  # a NaN tail: refused just below
+                whole = np.logaddexp(mass, wide_tail)
+            bad = np.isnan(wide_tail) | (wide_tail > LOG_PROB_SLACK) | (np.abs(whole) > LOG_PROB_SLACK)
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
+                raise TeacherResponseError(f"{where('log_tail', row)} = {float(tail[row])!r}: the tail's log mass "
+                                           f"with the k's makes {float(np.exp(whole[row])):.6g}, not 1")
+        start += rows
 
 
 def _json(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, ValueError) as err:
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
         head = body[:80].decode("utf-8", "replace")
-        raise TeacherResponseError(f"the teacher server's answer is not JSON ({err}; it starts {head!r}): a "
-                                   "truncated body, or another service on that port") from None
+        raise TeacherResponseError(f"the answer is not JSON ({err}; it starts {head!r}): a cut-off body, an error "
+                                   "page, or another service on that port") from None
 
 
-def _check_count(items: Any, prompts: Sequence[Sequence[int]], what: str) -> None:
-    if not isinstance(items, list) or len(items) != len(prompts):
-        got = len(items) if isinstance(items, list) else type(items).__name__
-        raise TeacherResponseError(f"the teacher server returned {got} {what} for {len(prompts)} prompts")
+def _number(value: Any, where: str) -> float:
+    """A JSON number (-inf as vLLM's -9999, SGLang's null or -Infinity), or a refusal naming ``where``."""
+    if value is None:
+        return -math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TeacherResponseError(f"{where} is {_shown(value)} where a number belongs")
+    return float(value)
+
+
+def _token(value: Any, where: str) -> int:
+    """A JSON integer token id (vLLM's keys are its decimal strings), or a refusal naming ``where``."""
+    if isinstance(value, str) and value.isdecimal() and len(value) < 24:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TeacherResponseError(f"{where} is {_shown(value)} where a token id belongs")
+    if not -(1 << 31) <= value < 1 << 31:
+        raise TeacherResponseError(f"{where} = {value}: not a token id (past int32)")
+    return value
+
+
+def _list(value: Any, where: str, length: int | None = None, sent: str = "") -> list:
+    if not isinstance(value, list):
+        raise TeacherResponseError(f"{where} is {_shown(value)} where a list belongs")
+    if length is not None and len(value) != length:
+        raise TeacherResponseError(f"{where} has {len(value)} entries, {length} asked for{sent}")
+    return value
+
+
+def _dict(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise TeacherResponseError(f"{where} is {_shown(value)} where an object belongs")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A received value as an error names it: its JSON type, and its text where short."""
+    if isinstance(value, list | dict):
+        kind = "a list" if isinstance(value, list) else "an object"
+        return f"{kind} ({json.dumps(value, default=str)[:40]})"
+    if isinstance(value, str):
+        return f"a string {json.dumps(value[:40])}"
+    return json.dumps(value)
 
 
 def parse_vllm(document: Any, prompts: Sequence[Sequence[int]], k: int) -> list[PromptTargets]:
     """A vLLM ``CompletionResponse`` (module docstring) to targets; the prompt token at each position must be one of
     its keys (vLLM always includes it), so a response for other tokens is refused."""
     if not isinstance(document, dict) or "choices" not in document:
-        raise TeacherResponseError(f"the vLLM response has no choices: {str(document)[:200]}")
-    choices = sorted(document["choices"], key=lambda c: c.get("index", 0)) if isinstance(
-        document["choices"], list) else document["choices"]
-    _check_count(choices, prompts, "choices")
+        raise TeacherResponseError(f"the vLLM answer has no choices: {str(document)[:200]}")
+    choices = _list(document["choices"], "choices", len(prompts), " (one per prompt)")
+    for number, choice in enumerate(choices):
+        _dict(choice, f"choices[{number}]")
+    if all(isinstance(c.get("index"), int) for c in choices):
+        choices = sorted(choices, key=lambda c: c["index"])
     out = []
     for number, (choice, prompt) in enumerate(zip(choices, prompts, strict=True)):
         echoed = choice.get("prompt_token_ids")
-        if echoed is not None and list(echoed) != list(prompt):
-            raise TeacherResponseError(f"prompt {number}: the vLLM response is for other tokens (prompt_token_ids "
-                                       "differ from the ones sent)")
-        positions = choice.get("prompt_logprobs")
-        if not isinstance(positions, list) or len(positions) != len(prompt):
-            raise TeacherResponseError(f"prompt {number}: prompt_logprobs has "
-                                       f"{len(positions) if isinstance(positions, list) else positions!r} entries "
-                                       f"for {len(prompt)} tokens (was prompt_logprobs: {k} sent?)")
+        if echoed is not None and echoed != list(prompt):
+            raise TeacherResponseError(f"choices[{number}].prompt_token_ids: the answer is for other tokens than "
+                                       "the ones sent")
+        field = f"choices[{number}].prompt_logprobs"
+        positions = _list(choice.get("prompt_logprobs"), field, len(prompt),
+                          f" (one per prompt token; was prompt_logprobs: {k} sent?)")
         ids = np.zeros((len(prompt) - 1, k), dtype=np.int32)
         values = np.zeros((len(prompt) - 1, k), dtype=np.float32)
         for j in range(1, len(prompt)):
-            entry = positions[j]
-            if not isinstance(entry, dict) or str(prompt[j]) not in entry:
-                raise TeacherResponseError(f"prompt {number}, position {j}: the vLLM response is for other tokens "
-                                           f"(token {prompt[j]} is not among its keys)")
+            entry = _dict(positions[j], f"{field}[{j}]")
+            if str(prompt[j]) not in entry:
+                raise TeacherResponseError(f"{field}[{j}]: the answer is for other tokens (token {prompt[j]} is not "
+                                           "among its keys)")
             if not k <= len(entry) <= k + 1:
-                raise TeacherResponseError(f"prompt {number}, position {j}: {len(entry)} log-probabilities for "
-                                           f"k = {k} (another k: check vllm serve --max-logprobs >= {k})")
-            ranked = sorted(((v.get("rank") or math.inf, -float(v["logprob"]), int(t)) for t, v in entry.items()))
-            top = ranked[:k]
+                raise TeacherResponseError(f"{field}[{j}]: {len(entry)} log-probabilities for k = {k} (another k: "
+                                           f"check vllm serve --max-logprobs >= {k})")
+            ranked = []
+            for key, value in entry.items():  # the common case inline (a Python object per entry is the cost)
+                logprob = value.get("logprob") if type(value) is dict else None
+                rank = value.get("rank") if type(value) is dict else None
+                if type(logprob) not in _NUMBERS or type(rank) not in _RANKS or not key.isdecimal() or len(key) > 9:
+                    logprob, rank = _vllm_entry(key, value, f"{field}[{j}]")
+                ranked.append((math.inf if rank is None else rank, -logprob, int(key)))
+            top = sorted(ranked)[:k]
             ids[j - 1] = [t for _, _, t in top]
             values[j - 1] = [-lp for _, lp, _ in top]
         values[values <= VLLM_NEG_INF] = -np.inf
@@ -172,36 +312,68 @@ def parse_vllm(document: Any, prompts: Sequence[Sequence[int]], k: int) -> list[
     return out
 
 
+_NUMBERS = (float, int)
+_RANKS = (int, type(None))
+_LOGPROBS = (float, int, type(None))  # SGLang's null: -inf
+
+
+def _vllm_entry(key: str, value: Any, field: str) -> tuple[float, int | None]:
+    """One ``prompt_logprobs`` entry the fast path did not take: its log-probability and rank, or the refusal that
+    names what is wrong with it."""
+    at = f"{field}[{key!r}]"
+    value = _dict(value, at)
+    if "logprob" not in value:
+        raise TeacherResponseError(f"{at}.logprob: missing")
+    rank = value.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TeacherResponseError(f"{at}.rank is {_shown(rank)} where an integer (or null) belongs")
+    _token(key, f"{field} key")
+    return _number(value["logprob"], f"{at}.logprob"), rank
+
+
 def parse_sglang(document: Any, prompts: Sequence[Sequence[int]], k: int) -> list[PromptTargets]:
     """SGLang's ``/generate`` batch response (a list, one item per prompt, module docstring) to targets; the
     ``input_token_logprobs`` ids must be the prompt's tokens."""
     items = document if isinstance(document, list) else [document]
-    _check_count(items, prompts, "items")
+    _list(items, "the answer", len(prompts), " (one item per prompt)")
     out = []
     for number, (item, prompt) in enumerate(zip(items, prompts, strict=True)):
         meta = item.get("meta_info") if isinstance(item, dict) else None
         if not isinstance(meta, dict) or "input_top_logprobs" not in meta:
-            raise TeacherResponseError(f"prompt {number}: the SGLang response has no meta_info.input_top_logprobs "
-                                       "(were return_logprob and top_logprobs_num sent?)")
+            raise TeacherResponseError(f"[{number}].meta_info.input_top_logprobs: missing (were return_logprob and "
+                                       "top_logprobs_num sent?)")
+        field = f"[{number}].meta_info"
         tokens = meta.get("input_token_logprobs")
-        if tokens is not None and [int(t[1]) for t in tokens] != list(prompt):
-            raise TeacherResponseError(f"prompt {number}: the SGLang response is for other tokens "
-                                       "(input_token_logprobs ids differ from the ones sent)")
-        positions = meta["input_top_logprobs"]
-        if not isinstance(positions, list) or len(positions) != len(prompt):
-            raise TeacherResponseError(f"prompt {number}: input_top_logprobs has "
-                                       f"{len(positions) if isinstance(positions, list) else positions!r} entries "
-                                       f"for {len(prompt)} tokens (was logprob_start_len: 0 sent?)")
-        rows = positions[1:]
-        if any(not isinstance(row, list) or len(row) != k for row in rows):
-            bad = next(len(r) if isinstance(r, list) else r for r in rows if not isinstance(r, list) or len(r) != k)
-            raise TeacherResponseError(f"prompt {number}: a position has {bad} log-probabilities for k = {k}")
-        # orjson writes -inf as null
-        array = np.asarray([[(-np.inf if lp is None else lp, tid) for lp, tid, *_ in row] for row in rows],
-                           dtype=np.float64).reshape(-1, k, 2)
-        values = array[..., 0].astype(np.float32)
+        if tokens is not None:
+            tokens = _list(tokens, f"{field}.input_token_logprobs", len(prompt), " (one per prompt token)")
+            echoed = []
+            for i, entry in enumerate(tokens):
+                entry = _list(entry, f"{field}.input_token_logprobs[{i}]")
+                echoed.append(_token(entry[1] if len(entry) > 1 else None, f"{field}.input_token_logprobs[{i}][1]"))
+            if echoed != list(prompt):
+                raise TeacherResponseError(f"{field}.input_token_logprobs: the answer is for other tokens (its ids "
+                                           "differ from the ones sent)")
+        positions = _list(meta["input_top_logprobs"], f"{field}.input_top_logprobs", len(prompt),
+                          " (one per prompt token; was logprob_start_len: 0 sent?)")
+        ids = np.zeros((len(prompt) - 1, k), dtype=np.int32)
+        values = np.zeros((len(prompt) - 1, k), dtype=np.float32)
+        for j in range(1, len(prompt)):
+            at = f"{field}.input_top_logprobs[{j}]"
+            row = _list(positions[j], at)
+            if len(row) != k:
+                raise TeacherResponseError(f"{at}: {len(row)} log-probabilities for k = {k} (another k)")
+            for r, pair in enumerate(row):
+                if not (type(pair) is list and len(pair) > 1 and type(pair[0]) in _LOGPROBS and type(pair[1]) is int
+                        and -(1 << 31) <= pair[1] < 1 << 31):  # the common case inline; else name the problem
+                    pair = _list(pair, f"{at}[{r}]")
+                    if len(pair) < 2:
+                        raise TeacherResponseError(f"{at}[{r}] has {len(pair)} entries, [logprob, token_id, ...] "
+                                                   "needed")
+                    pair = (_number(pair[0], f"{at}[{r}][0]"), _token(pair[1], f"{at}[{r}][1]"))
+                values[j - 1, r] = -math.inf if pair[0] is None else pair[0]
+                ids[j - 1, r] = pair[1]
         values[values <= VLLM_NEG_INF] = -np.inf
-        out.append(PromptTargets(array[..., 1].astype(np.int32), values))
+        out.append(PromptTargets(ids, values))
     return out
 
 
@@ -225,22 +397,29 @@ def decode_topk(body: bytes, prompts: Sequence[Sequence[int]], k: int) -> list[P
     """:func:`encode_topk`'s body back to targets, refused unless it is whole and for these prompts and this k."""
     if body[:4] != MAGIC or len(body) < 8:
         head = body[:80].decode("utf-8", "replace")
-        raise TeacherResponseError(f"the teacher server's /v1/topk answer is not a distill_kit top-k body (it "
-                                   f"starts {head!r}): another service, or a server of another version")
+        raise TeacherResponseError(f"the /v1/topk answer is not a distill_kit top-k body (it starts {head!r}): an "
+                                   "error page, another service, or a server of another version")
     (size,) = struct.unpack("<I", body[4:8])
+    if 8 + size > len(body):
+        raise TeacherResponseError(f"the /v1/topk answer is cut off: its header says {size} bytes, {len(body) - 8} "
+                                   "follow")
     header = _json(body[8:8 + size])
-    if not isinstance(header, dict) or header.get("k") != k:
-        raise TeacherResponseError(f"the teacher server answered with k = {header.get('k')!r}; this run asked for "
+    if not isinstance(header, dict):
+        raise TeacherResponseError(f"the /v1/topk header is {_shown(header)} where an object belongs")
+    if header.get("k") != k or isinstance(header.get("k"), bool):
+        raise TeacherResponseError(f"the /v1/topk header's k is {_shown(header.get('k'))}; this run asked for "
                                    f"k = {k}")
     if header.get("lengths") != [len(p) for p in prompts] or header.get("tokens_sha256") != tokens_digest(prompts):
-        raise TeacherResponseError("the teacher server's answer is for other tokens (its tokens_sha256 or lengths "
-                                   "differ from the prompts sent)")
+        raise TeacherResponseError("the /v1/topk header's tokens_sha256 or lengths differ from the prompts sent: "
+                                   "the answer is for other tokens")
+    tail = header.get("tail", False)
+    if not isinstance(tail, bool):
+        raise TeacherResponseError(f"the /v1/topk header's tail is {_shown(tail)} where true or false belongs")
     n = sum(max(len(p) - 1, 0) for p in prompts)
-    tail = bool(header.get("tail"))
     expected = 8 + size + n * k * 8 + (n * 4 if tail else 0)
     if len(body) != expected:
-        raise TeacherResponseError(f"the teacher server's answer is truncated or padded: {len(body)} bytes, "
-                                   f"{expected} expected for {n} positions at k = {k}")
+        raise TeacherResponseError(f"the /v1/topk answer is cut off or padded: {len(body)} bytes, {expected} "
+                                   f"expected for {n} positions at k = {k}")
     offset = 8 + size
     ids = np.frombuffer(body, dtype="<i4", count=n * k, offset=offset).reshape(n, k)
     values = np.frombuffer(body, dtype="<f4", count=n * k, offset=offset + n * k * 4).reshape(n, k)

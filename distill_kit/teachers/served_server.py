@@ -14,16 +14,24 @@
 
 Requests to the model are served one forward at a time (a lock): the client keeps several in flight so the next is
 queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``, as
-``vllm serve --api-key`` does.
+``vllm serve --api-key`` does, compared in constant time. Nothing else answers: no ``/docs``, ``/redoc`` or
+``/openapi.json``.
+
+What one request may ask is capped (:class:`Limits`): its body's bytes (HTTP 413 as it arrives, before any parse),
+its prompts, its tokens and its answer's size (HTTP 413, before any forward); an empty prompt list is HTTP 400.
+The model's logits are reduced to the top k one batch of at most ``max_batch_tokens`` tokens at a time, so a
+request's memory is one batch's logits, not every prompt's.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +47,64 @@ from distill_kit.teachers import served_protocol as protocol
 FAULTS = ("none", "slow", "empty", "garbage", "truncate", "other_tokens", "other_k")
 """Test aids (``serve_teacher.py --test-faults``, then ``POST /test/fault``): each makes the server misbehave as a
 cluster's server can, without a restart per fault."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (``serve_teacher.py --max-request-*``). The client's defaults (8 rows
+    a request) fit in them up to rows of 32,768 tokens."""
+
+    rows: int = 1024
+    """Prompts in one request."""
+    tokens: int = 1 << 18
+    """Prompt tokens in one request (262,144): 8 rows of 32,768; the forward runs them ``max_batch_tokens`` at a
+    time, so this bounds the time a request holds the model, not its memory."""
+    answer_bytes: int = 256 << 20
+    """A ``/v1/topk`` answer's size (positions x (8 k + 4) bytes): the client's default ``max_response_bytes``, so
+    what it would refuse is refused here first, before the forward (262,144 tokens at k = 20 are 43 MB)."""
+    json_entries: int = 1 << 21
+    """Positions x (k + 1) entries of a ``/v1/completions`` answer (2,097,152): each is a Python dict while the JSON
+    is built (~0.5 KB with its text), so ~1 GB at the cap; 8 rows of 8,192 tokens at k = 20 are 1.4M."""
+    body_bytes: int | None = None
+    """The request body's size; None: 16 bytes a token of :attr:`tokens` plus 64 KiB (4 MiB + 64 KiB): a token id
+    below 10^6 is at most 6 digits and ``", "`` in JSON (8 bytes), so twice that, and the rest of the JSON."""
+
+    @property
+    def body(self) -> int:
+        return self.body_bytes if self.body_bytes is not None else 16 * self.tokens + (64 << 10)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body past ``limit`` bytes is refused with HTTP 413 as it arrives (by its
+    Content-Length, or counted as it is read), before anything parses it."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    def refusal(self) -> HTTPException:
+        return HTTPException(status_code=413, detail=f"request body over {self.limit} bytes (serve_teacher.py "
+                                                     "--max-request-bytes): send fewer rows a request "
+                                                     "(the client's rows_per_request)")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            refusal = self.refusal()
+            response = JSONResponse(status_code=refusal.status_code, content={"detail": refusal.detail})
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if seen > self.limit:
+                raise self.refusal()  # inside the body's read: FastAPI answers it as this 413
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class TopKRequest(BaseModel):
@@ -75,10 +141,10 @@ class Scorer:
         self.max_batch_tokens, self.chunk_tokens = max_batch_tokens, chunk_tokens
         self.lock = threading.Lock()
 
-    @torch.no_grad()
-    def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Each prompt's ``(L, V)`` logits (in the model's dtype), prompts run together in right-padded batches."""
-        out: list[torch.Tensor] = []
+    def batches(self, prompts: Sequence[Sequence[int]]) -> Iterator[tuple[Sequence[Sequence[int]], torch.Tensor]]:
+        """The prompts in right-padded batches of at most ``max_batch_tokens`` tokens (a longer prompt alone), each
+        with its ``(rows, width, V)`` logits in the model's dtype; a batch's logits go when the caller takes the
+        next, so memory holds one batch's."""
         start = 0
         while start < len(prompts):
             longest, stop = 0, start
@@ -91,21 +157,36 @@ class Scorer:
             for row, prompt in enumerate(group):
                 ids[row, :len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
                 mask[row, :len(prompt)] = 1
-            with self.lock:
+            # no_grad here, not as a decorator: torch's generator wrapper keeps the last item it passed on, which
+            # would keep this batch's logits alive through the next batch's forward
+            with self.lock, torch.no_grad():
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            out += [logits[row, :len(prompt)] for row, prompt in enumerate(group)]
+            yield group, logits
+            del logits
             start = stop
-        return out
 
+    def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each prompt's ``(L, V)`` logits (in the model's dtype): every prompt's kept, for a few short ones."""
+        return [logits[row, :len(prompt)] for group, logits in self.batches(prompts)
+                for row, prompt in enumerate(group)]
+
+    @torch.no_grad()
     def topk(self, prompts: Sequence[Sequence[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For every prompt's first ``L - 1`` positions, in order: ids (N, k) int32, log-probabilities (N, k)
-        float32 and the tail's log mass (N,) float32, as ``offline/capture.top_k`` computes them."""
+        float32 and the tail's log mass (N,) float32, as ``offline/capture.top_k`` computes them, one batch at a
+        time (the batch's logits dropped before the next forward)."""
         from distill_kit.offline.capture import top_k
 
-        rows = [row[:-1] for row in self.logits(prompts)]
-        flat = torch.cat(rows) if rows else torch.zeros((0, 1))
-        values, ids, tails = top_k(flat, k, self.chunk_tokens)
-        return ids.int().cpu().numpy(), values.cpu().numpy(), tails.cpu().numpy()
+        ids, values, tails = [], [], []
+        for group, logits in self.batches(prompts):
+            rows = torch.cat([logits[row, :len(prompt) - 1] for row, prompt in enumerate(group)])
+            top_values, top_ids, top_tails = top_k(rows, k, self.chunk_tokens)
+            del rows
+            ids.append(top_ids.int().cpu())
+            values.append(top_values.cpu())
+            tails.append(top_tails.cpu())
+            del logits  # before the next batch's forward: one batch's logits alive at a time
+        return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(tails).numpy()
 
     def vllm_positions(self, prompt: Sequence[int], k: int) -> tuple[list[Any], int]:
         """One prompt's ``prompt_logprobs`` as vLLM serialises them (``None``, then per token its top k by rank and
@@ -128,16 +209,21 @@ class Scorer:
 
 
 def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = None, test_faults: bool = False,
-              ) -> FastAPI:
+              limits: Limits | None = None) -> FastAPI:
     """The FastAPI app. ``info``: what ``/info`` reports (``model``, ``vocab_size``, ``tokenizer_sha256``, ...).
-    ``test_faults``: adds ``POST /test/fault`` (:class:`FaultRequest`), which makes every scoring request after the
-    next ``after`` misbehave as ``mode`` says (tests only)."""
-    app = FastAPI(title="distill-kit teacher server")
+    ``limits``: what one request may ask (:class:`Limits`' defaults). ``test_faults``: adds ``POST /test/fault``
+    (:class:`FaultRequest`), which makes every scoring request after the next ``after`` misbehave as ``mode`` says
+    (tests only)."""
+    limits = limits or Limits()
+    app = FastAPI(title="distill-kit teacher server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=limits.body)
     fault = {"mode": "none", "after": 0, "slow_s": 30.0, "count": 0}
     max_k = int(info["max_k"])
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     def authorised(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):  # constant time: no timing oracle
             raise HTTPException(status_code=401, detail="Unauthorized: send Authorization: Bearer <api key>")
 
     def checked(prompts: Any, k: int) -> list[list[int]]:
@@ -145,6 +231,18 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
             prompts = [prompts]
         if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
             raise HTTPException(status_code=400, detail="prompt: give a list of non-empty token-id lists")
+        if not prompts:
+            raise HTTPException(status_code=400, detail="prompt: the list is empty; send at least one prompt")
+        if len(prompts) > limits.rows:
+            raise HTTPException(status_code=413, detail=f"{len(prompts)} prompts in one request; this server takes "
+                                                        f"at most {limits.rows} (serve_teacher.py --max-request-rows):"
+                                                        " send fewer rows a request (rows_per_request)")
+        tokens = sum(map(len, prompts))
+        if tokens > limits.tokens:
+            raise HTTPException(status_code=413, detail=f"{tokens} prompt tokens in one request; this server takes "
+                                                        f"at most {limits.tokens} (serve_teacher.py "
+                                                        "--max-request-tokens): send fewer rows a request "
+                                                        "(rows_per_request)")
         vocab = int(info["vocab_size"])
         if any(not (isinstance(t, int) and 0 <= t < vocab) for p in prompts for t in p):
             raise HTTPException(status_code=400, detail=f"prompt: token ids must be in [0, {vocab})")
@@ -186,9 +284,19 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
                  "root": info["model"], "parent": None, "max_model_len": info["max_model_len"]}
         return {"object": "list", "data": [entry | {"distill_kit": get_info()}]}
 
+    def too_large(what: str, size: int, cap: int, flag: str) -> None:
+        if size > cap:
+            raise HTTPException(status_code=413, detail=f"the answer would hold {size} {what}, more than this "
+                                                        f"server's {cap} (serve_teacher.py {flag}): send fewer rows "
+                                                        "a request (rows_per_request), or a smaller k")
+
+    def asked(prompts: list[list[int]]) -> int:  # positions an answer holds
+        return sum(len(p) - 1 for p in prompts)
+
     @app.post("/v1/topk", dependencies=[Depends(authorised)])
     def topk(request: TopKRequest) -> Response:
         prompts = checked(request.prompts, request.k)
+        too_large("bytes", asked(prompts) * (8 * request.k + 4), limits.answer_bytes, "--max-answer-bytes")
         mode = faulty()
         k = _other_k(request.k, max_k) if mode == "other_k" else request.k
         scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
@@ -204,6 +312,8 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
             raise HTTPException(status_code=400, detail="this server scores prompts: send prompt_logprobs: k, "
                                                         "max_tokens: 1, and no logprobs or echo")
         prompts = checked(request.prompt, request.prompt_logprobs)
+        too_large("entries", asked(prompts) * (request.prompt_logprobs + 1), limits.json_entries,
+                  "--max-json-entries")
         mode = faulty()
         k = _other_k(request.prompt_logprobs, max_k) if mode == "other_k" else request.prompt_logprobs
         choices = []

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from distill_kit.config import TrainingConfig
 from distill_kit.engines import distributed, schedule
-from distill_kit.errors import RewardFailed, TeacherUnavailable
+from distill_kit.errors import StepFault
 from distill_kit.training import checkpoint, nonfinite, preemption
 from losses import LossOutput
 from losses.base import valid_positions
@@ -56,6 +56,7 @@ class Trainer:
         self.nonfinite = nonfinite.NonFiniteSteps(self.training.max_bad_steps,
                                                   loss_scaling=self.training.dtype == "fp16")
         self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
+        self.stop_error: StepFault | None = None  # the teacher's or a reward's failure that did, if one did (CLI: exit 1)
         self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
         self.evaluations: list[dict[str, Any]] = []  # every evaluation train() ran, by step; kept by checkpoints
         self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
@@ -117,7 +118,7 @@ class Trainer:
         for engine in engines.values():
             engine.train()
             schedule.resync(engine)  # a resumed run may have a new max_steps: the next step's lr is the schedule's
-        self.stopped_by = None
+        self.stopped_by, self.stop_error = None, None
         first = len(self.history)
         micro_batches = self._micro_batches(batches)
         progress = tqdm(total=self.training.max_steps, initial=self.step, desc=type(self).__name__,
@@ -144,11 +145,10 @@ class Trainer:
                             for part, value in {"loss": loss.total.detach(), **loss.parts}.items():
                                 key = _key(name, part)
                                 sums[key] = sums.get(key, 0.0) + value.float() / len(step_batches)
-                except (TeacherUnavailable, RewardFailed) as err:
+                except StepFault as err:  # a server down too long or answering wrongly, a reward failing
                     self._ahead = None
                     self._restore_position(before)  # this step never happened: its checkpoint is the last whole one
-                    self.stopped_by = (f"the teacher being unavailable ({err})" if isinstance(err, TeacherUnavailable)
-                                       else f"a reward failing ({err})")
+                    self.stopped_by, self.stop_error = f"{err.what} ({err})", err
                     break
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
                 record = dict(zip(sums, means.tolist(), strict=True)) | lrs
