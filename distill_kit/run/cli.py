@@ -247,9 +247,9 @@ def _input_errors(what: str) -> Iterator[None]:
 
 
 def run(config: RunConfig, resume: bool = False) -> dict[str, Any] | None:
-    """The whole job; returns the report's summary on every rank (None when a signal stopped it). A teacher that
-    failed mid-run (a server down too long, an answer that cannot be trained on, a reward failing) raises its :class:`StepFault` after
-    the checkpoint of the last whole step, its message saying how to continue.
+    """The whole job; returns the report's summary on every rank (None when a signal stopped it). A teacher or a
+    reward that failed mid-run (a server down too long, an answer that cannot be trained on, a reward that raised)
+    raises its :class:`StepFault` after the checkpoint of the last whole step, its message saying how to continue.
 
     Every check that needs no work comes first (``validate.py``); the output folder is claimed (locked, then its
     ``run_identity.json`` written) only once the data is read too, so a run that fails to start leaves nothing

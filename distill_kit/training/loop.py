@@ -56,7 +56,7 @@ class Trainer:
         self.nonfinite = nonfinite.NonFiniteSteps(self.training.max_bad_steps,
                                                   loss_scaling=self.training.dtype == "fp16")
         self.stopped_by: str | None = None  # the signal that ended the last train() early, if one did
-        self.stop_error: StepFault | None = None  # the teacher's or a reward's failure that did, if one did (CLI: exit 1)
+        self.stop_error: StepFault | None = None  # a teacher's or a reward's failure that stopped it (CLI: exit 1)
         self.on_record: Callable[[dict[str, float]], None] | None = None  # called with each step's record
         self.evaluations: list[dict[str, Any]] = []  # every evaluation train() ran, by step; kept by checkpoints
         self.on_evaluation: Callable[[dict[str, Any]], None] | None = None  # called with each evaluation
