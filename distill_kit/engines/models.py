@@ -70,6 +70,28 @@ def facts(source: ModelSource) -> dict[str, int | None]:
     }
 
 
+def positions(config: Any) -> int | None:
+    """How many positions a model's config says it reads (None when it does not say): the longest row it takes."""
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def end_token(generation_config: Any, model_config: Any) -> int | None:
+    """The token a sample ends at: the generation config's ``eos_token_id``, else the model config's; the first of
+    a list. The sampler reads it from the model, a teacher's card and the start-up checks from its folder."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = eos if eos is not None else getattr(model_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
+
+
 def model_type(source: ModelSource) -> str | None:
     """The architecture's name in its config (``qwen2``, ``gpt2``), for checks made before loading."""
     return getattr(model_config(source), "model_type", None)

@@ -32,7 +32,6 @@ from distill_kit.teachers.combine import check_weights
 from distill_kit.teachers.kinds import kind_of
 from distill_kit.teachers.tokenizers import tokenizer_problems
 from distill_kit.training import checkpoint
-from distill_kit.training.on_policy import end_token
 from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, make_plan
 from losses import registry as loss_registry
 
@@ -326,7 +325,7 @@ def check_on_policy(start: Start) -> list[str]:
     eos_key = "training.on_policy.eos_token_id"
     if eos is None:
         eos = (teacher_card.eos_token_id if on_policy.sampler == "teacher" and teacher_card else
-               end_token(models.generation_config(config.students[0].model), student))
+               models.end_token(models.generation_config(config.students[0].model), student))
         eos_key = f"the end token of {sampling_source!r} (eos_token_id)"
         if eos is None:
             problems.append(f"training.on_policy: {sampling_source!r} has no end token (no eos_token_id in its config "

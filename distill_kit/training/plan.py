@@ -26,7 +26,6 @@ from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, k
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
 from distill_kit.teachers.residency import PagingPlan
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
-from distill_kit.training.on_policy import positions
 from losses import DistillationLoss, build_loss
 
 
@@ -309,7 +308,7 @@ def _derived_training(training: TrainingConfig, students: Sequence[StudentSpec],
     notes = []
     on_policy = training.on_policy
     if on_policy.fraction > 0:
-        limits = {**{f"students[{n}]": positions(c) for n, c in student_configs.items()},
+        limits = {**{f"students[{n}]": models.positions(c) for n, c in student_configs.items()},
                   **{f"teachers[{n}]": card.positions for n, card in cards.items()}}
         limits = {name: limit for name, limit in limits.items() if limit is not None}
         fewest = min(limits.values(), default=None)
@@ -350,7 +349,8 @@ def _position_problems(student_configs: Mapping[str, Any], cards: Mapping[str, T
         return []
     teacher_rows = (("teacher_block_size", data.teacher_block_size) if data.teacher_block_size is not None
                     else ("data.block_size", data.block_size))
-    rows = [(f"students[{n}]", positions(c), ("data.block_size", data.block_size)) for n, c in student_configs.items()]
+    rows = [(f"students[{n}]", models.positions(c), ("data.block_size", data.block_size))
+            for n, c in student_configs.items()]
     rows += [(f"teachers[{n}]", card.positions, teacher_rows) for n, card in cards.items()]
     return [f"{key}: {size} tokens per row, but {name} reads at most {limit} positions (max_position_embeddings "
             f"in its config): set {key} to {limit} or less"
