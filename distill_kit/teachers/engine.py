@@ -34,11 +34,10 @@ class EngineTeacher(Teacher):
         facts = models.facts(config)
         model_type = getattr(config, "model_type", None)
         outputs = {LOGITS, HIDDEN_STATES, ATTENTIONS} | ({HEAD} if model_type in head.EXACT_HEADS else set())
-        folder = Path(model) if isinstance(model, str | Path) and Path(model).is_dir() else None
         return TeacherCard(
             kind=cls.kind, source=str(model) if isinstance(model, str | Path) else type(model).__name__,
             outputs=frozenset(outputs), can_generate=True, engine=True, vocab_size=getattr(text, "vocab_size", None),
-            tokenizer=str(model) if folder is not None and models.has_tokenizer(folder) else None,
+            tokenizer=str(model) if isinstance(model, str | Path) else None,  # a folder or a hub name
             positions=models.positions(config), hidden_size=facts["hidden_size"], num_layers=facts["num_layers"],
             eos_token_id=models.end_token(models.generation_config(model), config), model_type=model_type,
             config=config)

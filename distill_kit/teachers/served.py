@@ -52,6 +52,7 @@ from distill_kit.config import TeacherSpec
 from distill_kit.errors import ConfigError
 from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.kinds import is_url
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
 from distill_kit.teachers.tokenizers import vocabulary_sha256
 from losses.sparse import SparseTeacherLogits
@@ -64,11 +65,6 @@ DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokeni
 
 __all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
            "TeacherUnavailable", "is_url"]
-
-
-def is_url(model: object) -> bool:
-    """A model given as a server's address (``kinds.kind_of``'s rule for ``served``)."""
-    return isinstance(model, str) and model.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True)
