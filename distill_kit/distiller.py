@@ -36,7 +36,7 @@ from torch import nn
 
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed
-from distill_kit.engines.models import ModelSource, fresh_student
+from distill_kit.engines.models import ModelSource, fresh_student, in_dtype
 from distill_kit.errors import ConfigError
 from distill_kit.teachers import TeacherSetup
 from distill_kit.teachers.combine import Combine
@@ -151,8 +151,8 @@ class Distiller(Trainer):
         calibration batches)."""
         if spec.model is not None:
             return spec
-        return dataclasses.replace(spec, model=fresh_student(self.plan.student_configs[spec.name], self.training.seed),
-                                   init={})
+        fresh = fresh_student(self.plan.student_configs[spec.name], self.training.seed)  # fp32, as the CLI saves it
+        return dataclasses.replace(spec, model=in_dtype(fresh, self.training.dtype), init={})
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
