@@ -143,8 +143,8 @@ def check_models(start: Start) -> list[str]:
                      for s in config.students if s.init_from_teacher is not None]
     try:
         tokenizer = start.tokenizer()
-    except ConfigError:
-        return problems  # a teacher whose card cannot be read: check_plan names it
+    except ConfigError as err:  # a teacher whose card cannot be read: check_plan names it, but across tokenizers
+        return problems + ([str(err)] if config.student_tokenizer else [])
     if tokenizer is None and (start.plan is not None or config.student_tokenizer):
         problems.append(no_tokenizer(lead, start.plan.cards[lead.name] if start.plan else None))
     elif tokenizer is not None and _local(tokenizer) and Path(tokenizer).is_dir() and not models.has_tokenizer(

@@ -341,10 +341,11 @@ def capability_problems(students: Sequence[StudentSpec], teachers: Sequence[Teac
                         f"targets ({', '.join(cards[n].kind for n in sparse)}): use combine: sum, or teachers that "
                         "run in-process (kind: engine)")
     on_policy = training.on_policy
-    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and teachers:
-        first = cards.get(teachers[0].name)
+    lead = lead_teacher(teachers)
+    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and lead is not None:
+        first = cards.get(lead.name)
         if first is not None and not first.can_generate:
-            problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({teachers[0].name!r}, a "
+            problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({lead.name!r}, a "
                             f"{first.kind} teacher) cannot generate: use sampler: student, or list a teacher that "
                             "runs in-process first")
     return problems
