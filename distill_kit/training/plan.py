@@ -183,7 +183,7 @@ def make_plan(
                             "this student is built with random weights (init): its frozen base would stay noise. "
                             "Give model: a pretrained directory (or init_from_teacher), or drop peft to train every "
                             "weight")
-        elif spec.peft is not None and spec.name in student_ds:
+        if spec.peft is not None and spec.name in student_ds:
             try:
                 adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_ds[spec.name]))
                 peft_student.check_targets(adapters[spec.name], student_configs[spec.name])
