@@ -166,7 +166,7 @@ def make_plan(
         student_ds, teacher_ds = _deepspeed_configs(students, teachers, student_configs, cards, training, deepspeed,
                                                     world_size, alone)
     except DeepSpeedConfigError as err:
-        problems += listed(str(err))
+        problems.append(str(err))
         student_ds, teacher_ds = {}, {}
     problems += _engine_problems(students, teachers, cards, student_configs, training)
     paging, found = residency.residency_problems(teachers, cards, training, combine,
@@ -237,9 +237,12 @@ def run_tokenizer(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpe
 
 
 def listed(message: str) -> list[str]:
-    """A message of several problems (a line ending ``problems:``, then a ``  - `` line each) as its problems."""
+    """A message of several problems (a line ending ``problems:``, then a ``  - `` line each) as its problems; a
+    problem that lists its own (``DeepSpeed config problems:``) gives its items, without its heading."""
     head, *items = message.split("\n  - ")
-    return items if items and head.endswith("problems:") else [message]
+    if not (items and head.endswith("problems:")):
+        return [message]
+    return [item for item in items if not item.endswith("problems:")]
 
 
 def _raise(problems: list[str]) -> None:
