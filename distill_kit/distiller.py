@@ -90,10 +90,10 @@ class Distiller(Trainer):
         case's shorthand). ``data``: what the data is (chat or text, rows, packing), which on-policy sampling and the
         positions check read. ``output_dir``: checkpoints go to ``<output_dir>/checkpoints`` (or
         ``training.checkpoint_dir``); with neither, nothing is saved. ``tokenizer``: the run's, which every model's is
-        checked against (default: the first student's, else the first teacher's). ``vocab_map`` (a
-        :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are paired blocks and the
-        loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the CLI's, made by its
-        start-up checks), built as it is.
+        checked against (default: the plan's choice, ``plan.run_tokenizer``: the lead teacher's, as its card names
+        it). ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are
+        paired blocks and the loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the
+        CLI's, made by its start-up checks), built as it is.
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         deepspeed = deepspeed or DeepSpeedSettings()

@@ -64,7 +64,7 @@ DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokeni
                             "max_in_flight": 4}
 
 __all__ = ["ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError", "TeacherTimeout",
-           "TeacherUnavailable", "is_url"]
+           "TeacherUnavailable", "is_url"]  # is_url: kinds.py's rule, named here too
 
 
 @dataclass(frozen=True)
