@@ -191,6 +191,11 @@ def test_a_teacher_of_your_own_without_a_tokenizer_is_refused_at_start_naming_th
                        "teachers' tokenizer (or have its describe return TeacherCard(..., tokenizer=...))")
     assert "Traceback" not in capsys.readouterr().err
     assert not out.exists()
+    with pytest.raises(SystemExit) as refused:  # with another of the plan's problems: both at once
+        cli.main([f"output_dir={out}", f"data.train={models['root'] / 'train.txt'}", "data.block_size=99",
+                  "--teachers", json.dumps(own), "--students", json.dumps(_students("STUDENT", models))])
+    assert str(refused.value).startswith("config error: 2 problems:\n  - data.block_size: 99 tokens per row")
+    assert "\n  - teacher 'own' (a user_teachers:FixedTeacher teacher, seed 0) names no tokenizer" in str(refused.value)
 
 
 # ---- the four refusals, from Python ----------------------------------------------------------------------------

@@ -71,10 +71,8 @@ class Start:
         return checkpoint_folder(self.config.training, self.config.output_dir)
 
     def tokenizer(self) -> str | None:
-        """The run's tokenizer, the plan's decision (``tokenizer_of``): None when no model names one, or when the
-        plan could not be made (its problems are reported)."""
-        if self.plan is None and not self.config.student_tokenizer:
-            return None
+        """The run's tokenizer, the plan's decision (``tokenizer_of``; by the plan's rule over the cards where the
+        plan could not be made, so that its problem is reported with the plan's): None when no model names one."""
         return tokenizer_of(self.config, self.plan)
 
 
@@ -143,10 +141,10 @@ def check_models(start: Start) -> list[str]:
                      for s in config.students if s.init_from_teacher is not None]
     try:
         tokenizer = start.tokenizer()
-    except ConfigError as err:  # a teacher whose card cannot be read: check_plan names it, but across tokenizers
-        return problems + ([str(err)] if config.student_tokenizer else [])
-    if tokenizer is None and (start.plan is not None or config.student_tokenizer):
-        problems.append(no_tokenizer(lead, start.plan.cards[lead.name] if start.plan else None))
+    except ConfigError as err:  # a teacher whose card cannot be read: the plan's problem, but across tokenizers
+        return problems + ([str(err)] if config.student_tokenizer else [])  # no plan is made here
+    if tokenizer is None:
+        problems.append(no_tokenizer(lead, (start.plan.cards if start.plan else teacher_cards([lead]))[lead.name]))
     elif tokenizer is not None and _local(tokenizer) and Path(tokenizer).is_dir() and not models.has_tokenizer(
             tokenizer):
         key = "tokenizer" if config.tokenizer else lead_key
@@ -157,16 +155,15 @@ def check_models(start: Start) -> list[str]:
     return problems
 
 
-def no_tokenizer(lead: TeacherSpec, card: TeacherCard | None) -> str:
+def no_tokenizer(lead: TeacherSpec, card: TeacherCard) -> str:
     """The refusal of a run whose tokenizer no model names (the plan's ``tokenizer`` is None), with its fixes."""
-    kind = card.kind if card is not None else kind_of(lead)
+    own = " (or have its describe return TeacherCard(..., tokenizer=...))" if is_import_path(card.kind) else ""
     fix = {"served": f" (or options.tokenizer in teachers[{lead.name}]: the folder of the served model's "
                      "tokenizer)",
            "store": " (a store records its tokenizer's sha256 only: the run's tokenizer is compared with it)"}.get(
-        kind, " (or have its describe return TeacherCard(..., tokenizer=...))" if is_import_path(kind) else "")
-    return (f"teacher {lead.name!r} (a {kind} teacher, {card.source if card else lead.model}) names no tokenizer, and "
-            f"the run reads its data with one: set tokenizer: the folder or hub name of the teachers' "
-            f"tokenizer{fix}")
+        card.kind, own)
+    return (f"teacher {lead.name!r} (a {card.kind} teacher, {card.source}) names no tokenizer, and the run reads its "
+            "data with one: set tokenizer: the folder or hub name of the teachers' tokenizer" + fix)
 
 
 def check_student_tokenizers(start: Start) -> list[str]:
