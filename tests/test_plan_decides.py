@@ -263,4 +263,11 @@ def test_the_plan_decides_for_python_alone_too(models):
     alone = make_plan([StudentSpec(name="s", model=str(models["student"]), loss="cross_entropy")], [],
                       training=TrainingConfig(), world_size=1)
     assert (alone.lead, alone.tokenizer) == (None, str(models["student"]))
+    from transformers import GPT2LMHeadModel
+
+    module = GPT2LMHeadModel(GPT2Config(vocab_size=models["vocab"], n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                                        bos_token_id=0, eos_token_id=0))
+    built = make_plan([StudentSpec(name="s", model=str(models["student"]))], [TeacherSpec(name="m", model=module)],
+                      training=TrainingConfig(), world_size=1)
+    assert (built.lead, built.tokenizer) == ("m", None)  # a module names no tokenizer; nor is the student's taken
 
