@@ -245,8 +245,8 @@ def run_ours(run: Run, micro_batch: int, args: argparse.Namespace, device: Any) 
     levers = ("bucket", "fused", "liger") if device.type == "cuda" else ("bucket",)
     # "auto" is what a run config gets: Liger in both models off-policy; when the student samples, none in the
     # student and no RoPE kernel in the teacher, so that the student's static-cache decode step compiles whole
-    # (training/on_policy.py's student_kernels and teacher_liger). An explicit "liger" would keep them, and the
-    # decode step then falls back to eager (docs: benchmarks/results/on-policy.md).
+    # (training/on_policy.py's student_kernels, engines/kernels.py's teacher_liger). An explicit "liger" would keep
+    # them, and the decode step then falls back to eager (docs: benchmarks/results/on-policy.md).
     kernels = "auto" if "liger" in levers else "none"
     sampling = OnPolicyConfig(fraction=1.0 if run.on_policy else 0.0, max_new_tokens=completion, temperature=1.0,
                               eos_token_id=vocab - 1, pad_token_id=0)

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed
-from distill_kit.engines.models import ModelSource, fresh_student
+from distill_kit.engines.models import ModelSource, fresh_student, in_dtype
 from distill_kit.errors import ConfigError
 from distill_kit.teachers import TeacherSetup
 from distill_kit.teachers.combine import Combine
@@ -92,10 +92,10 @@ class Distiller(Trainer):
         case's shorthand). ``data``: what the data is (chat or text, rows, packing), which on-policy sampling and the
         positions check read. ``output_dir``: checkpoints go to ``<output_dir>/checkpoints`` (or
         ``training.checkpoint_dir``); with neither, nothing is saved. ``tokenizer``: the run's, which every model's is
-        checked against (default: the first student's, else the first teacher's). ``vocab_map`` (a
-        :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are paired blocks and the
-        loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the CLI's, made by its
-        start-up checks), built as it is.
+        checked against (default: the plan's choice, ``plan.run_tokenizer``: the lead teacher's, as its card names
+        it). ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are
+        paired blocks and the loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the
+        CLI's, made by its start-up checks), built as it is.
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         deepspeed = deepspeed or DeepSpeedSettings()
@@ -168,8 +168,8 @@ class Distiller(Trainer):
         calibration batches)."""
         if spec.model is not None:
             return spec
-        return dataclasses.replace(spec, model=fresh_student(self.plan.student_configs[spec.name], self.training.seed),
-                                   init={})
+        fresh = fresh_student(self.plan.student_configs[spec.name], self.training.seed)  # fp32, as the CLI saves it
+        return dataclasses.replace(spec, model=in_dtype(fresh, self.training.dtype), init={})
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 

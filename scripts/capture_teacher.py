@@ -35,7 +35,7 @@ from distill_kit.errors import ConfigError, DataError, DeepSpeedConfigError
 from distill_kit.offline.capture import CaptureConfig, capture, out_problem
 from distill_kit.offline.store import Manifest
 from distill_kit.teachers import served_capture
-from distill_kit.teachers.served import is_url
+from distill_kit.teachers.kinds import is_url
 
 
 def parse_args() -> argparse.Namespace:

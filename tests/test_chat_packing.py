@@ -282,20 +282,25 @@ def test_a_sampled_micro_batch_packs_to_the_same_losses_and_gradients():
 
 def test_packing_with_sampling_is_accepted_and_the_sampler_packs_after_it(tmp_path):
     """data.packing: true with on-policy sampling is a valid run (the CLI's loader hands unpacked rows to the
-    sampler, which packs after sampling); with combine: route it is refused before any work; a packed batch
-    reaching a sampler from Python is refused, naming pack_to."""
-    from distill_kit.run import run_config, validate
+    sampler, which packs after sampling: the plan sets pack_to); with combine: route the plan refuses it before any
+    work, from Python as from the CLI; a packed batch reaching a sampler from Python is refused, naming pack_to."""
+    from distill_kit import StudentSpec, TeacherSpec, TrainingConfig
     from distill_kit.training.on_policy import OnPolicyConfig, Sampler
+    from distill_kit.training.plan import DataFacts, make_plan
 
-    records = tmp_path / "chat.jsonl"
-    records.write_text('{"prompt": "What is 1+1?", "completion": "2."}\n')
-    config = run_config.load(None, [f"data.train={records}", "data.packing=true", "training.on_policy.fraction=0.5"])
-    assert validate.check_packing(validate.Start(config, resume=False, identity={})) == []
-    routed = run_config.load(None, [f"data.train={records}", "data.packing=true", "combine=route", "--teachers",
-                                    "[{name: a, model: x}, {name: b, model: y}]"])
-    assert validate.check_packing(validate.Start(routed, resume=False, identity={})) == [
-        "data.packing: true with combine: route is not supported yet: a packed row would hold conversations of "
-        "several teachers. Set data.packing: false, or combine: sum"]
+    gpt2_config(width=16, layers=1).save_pretrained(tmp_path / "teacher")
+    teachers = [TeacherSpec(name=name, model=str(tmp_path / "teacher")) for name in ("a", "b")]
+    packed = DataFacts(kind="chat", block_size=32, packing=True)
+
+    def plan(combine: str, fraction: float):
+        return make_plan([StudentSpec(name="s", init={"n_layer": 1})], teachers, combine=combine, world_size=1,
+                         training=TrainingConfig(on_policy=OnPolicyConfig(fraction=fraction)), data=packed)
+
+    assert plan("sum", 0.5).training.on_policy.pack_to == 32
+    with pytest.raises(ConfigError) as refused:
+        plan("route", 0.0)
+    assert str(refused.value) == ("data.packing: true with combine: route is not supported yet: a packed row would "
+                                  "hold conversations of several teachers. Set data.packing: false, or combine: sum")
     batch = chat.packed_batch([[([5, 6], [IGNORE_INDEX, 6])]], PAD)
     with pytest.raises(ConfigError, match="a packed micro-batch reached the on-policy sampler .* set "
                                           "training.on_policy.pack_to"):

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill_kit.data import blocks
 from distill_kit.data.tokenizer import train_tokenizer
+from distill_kit.engines import models
 from distill_kit.run import cli, run_config, validate
 
 SCRIPT = ROOT / "scripts/distill.py"
@@ -255,15 +256,15 @@ def test_a_checkpoint_disk_without_room_is_refused_naming_the_sizes(tiny, tmp_pa
     config = run_config.load(None, [*_run_args(tiny, tmp_path / "run"), "training.keep_checkpoints=2"])
     config = cli.with_output_dir(config, resume=False)
     start = validate.Start(config, resume=False, identity=cli.run_identity(config))
-    assert validate.check_checkpoint_disk(start) == []
+    assert validate.check_plan(start) == []  # the plan's check (the Distiller's too: test_plan_decides.py)
     # Two 1-layer students of width 32 on a 300-token vocabulary, fp32: weights and three fp32 optimizer states.
-    parameters = sum(validate._parameters(c) for c in start.students().values())
+    parameters = sum(models.parameter_count(c) for c in start.students().values())
     each = parameters * (4 + 12)
     monkeypatch.setattr(validate.checkpoint, "free_bytes", lambda path: 3 * each - 1)
-    (problem,) = validate.check_checkpoint_disk(start)
+    (problem,) = validate.check_plan(start)
     assert f"needs about {3 * each / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each" in problem
     monkeypatch.setattr(validate.checkpoint, "free_bytes", lambda path: 3 * each)
-    assert validate.check_checkpoint_disk(start) == []
+    assert validate.check_plan(start) == []
 
 
 def test_streaming_needs_held_out_files(tiny, tmp_path):

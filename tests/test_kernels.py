@@ -34,7 +34,7 @@ def test_liger_patches_the_instance_with_its_own_function_and_refuses_other_arch
     model = GPT2LMHeadModel(gpt2_config(16, 1))
     assert kernels.apply(model, "liger") == "liger"
     assert calls == [(model, True, True, True, False, False)]  # the losses own the loss: no Liger cross-entropy
-    kernels.apply(model, "liger", liger={"rope": False})  # a sampling student's teacher (on_policy.teacher_liger)
+    kernels.apply(model, "liger", liger={"rope": False})  # a sampling student's teacher (kernels.teacher_liger)
     assert calls[1] == (model, False, True, True, False, False)
     with pytest.raises(ConfigError, match=r"no kernels for model type 'bert' \(it supports gpt2, qwen2\); set "
                                           "training.student_kernels to 'none' or 'compile'"):

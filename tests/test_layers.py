@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # From the ground floor up; a module imports only its own layer and those below.
 LAYERS = ["distill_kit.errors distill_kit.config", "distill_kit.data distill_kit.rewards", "losses",
-          "distill_kit.engines", "distill_kit.offline distill_kit.students",
-          "distill_kit.training distill_kit.teachers", "distill_kit.distiller", "distill_kit.tasks", "distill_kit.run",
+          "distill_kit.engines", "distill_kit.offline distill_kit.students", "distill_kit.teachers",
+          "distill_kit.training", "distill_kit.distiller", "distill_kit.tasks", "distill_kit.run",
           "distill_kit.tasks.compare", "distill_kit"]
 ALLOWED_UPWARD = {("distill_kit.run.cli", "distill_kit.tasks.compare")}  # the CLI hands a task run to its benchmark
 

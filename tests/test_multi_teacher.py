@@ -75,7 +75,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_loading(tmp_path):
     tokenizer.save_pretrained(dirs["same"])
     tokenizer.add_tokens(["<only-in-other>"])
     tokenizer.save_pretrained(dirs["other"])
-    with pytest.raises(ValueError, match=r"teachers\[other\]: its tokenizer differs from the student's \('.*': "
+    with pytest.raises(ValueError, match=r"teachers\[other\]: its tokenizer differs from the run's \('.*': "
                                          r"\d+ tokens; '.*': \d+, or other ids\).*share the student's tokenizer"):
         Distiller(dirs["student"], teachers=[{"name": "same", "model": dirs["same"]},
                                              {"name": "other", "model": dirs["other"]}])

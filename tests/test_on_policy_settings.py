@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from distill_kit.engines import kernels
 from distill_kit.training import on_policy
 from distill_kit.training.on_policy import OnPolicyConfig
 
@@ -16,11 +17,11 @@ def test_a_sampling_student_gets_no_auto_liger_and_its_teacher_no_liger_rope(cap
     assert on_policy.student_kernels("liger", sampling) == "liger"  # asked for by name: kept, its cost said
     assert "auto leaves Liger out of a sampling student" in caplog.text
     caplog.clear()
-    assert on_policy.teacher_liger(sampling) == {"rope": False}
+    assert kernels.teacher_liger(sampling) == {"rope": False}
     for other in (OnPolicyConfig(), OnPolicyConfig(fraction=1.0, sampler="teacher")):  # off-policy, seq-KD
         assert on_policy.student_kernels("auto", other) == "auto"
         assert on_policy.student_kernels("liger", other) == "liger"
-        assert on_policy.teacher_liger(other) == {}
+        assert kernels.teacher_liger(other) == {}
     assert not caplog.records  # a student that does not sample runs Liger without a word
 
 

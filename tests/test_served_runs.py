@@ -146,7 +146,8 @@ def test_a_tokenizer_other_than_the_runs_is_refused_before_any_write(server, tex
         (_args(texts, out, _served(server.url, tokenizer=str(other))), r"is not teachers\[t\]\.options\.tokenizer's"),
         (_args(texts, out, {"model": server.url, "options": {"api_key_env": KEY_ENV}}, f"tokenizer={other}"),
          "vocabulary sha256 .* differs from the run's"),
-        (_args(texts, out, {"model": server.url, "options": {"api_key_env": KEY_ENV}}), "is served: .*Set tokenizer"),
+        (_args(texts, out, {"model": server.url, "options": {"api_key_env": KEY_ENV}}),
+         r"names no tokenizer, .* set tokenizer: .* \(or options.tokenizer in teachers\[t\]"),
     ]
     for args, match in cases:
         with pytest.raises(ConfigError, match=match):

@@ -125,15 +125,18 @@ def test_student_and_loss_mistakes_are_found_up_front(setup, students, message):
 
 
 def test_on_policy_rules(setup):
+    """The data rule is the CLI's (Python says what its data is); the token rules are the plan's
+    (``test_the_four_refusals_run_from_python`` has the Distiller refuse the same)."""
     root = setup["root"]
     chat = [f"data.train={root / 'chat.jsonl'}", "training.on_policy.fraction=0.5"]
     assert validate.check_on_policy(_start(setup, *chat)) == []
-    (problem,) = validate.check_on_policy(_start(setup, *chat, "training.on_policy.pad_token_id=50"))
+    assert validate.check_plan(_start(setup, *chat)) == []
+    (problem,) = validate.check_plan(_start(setup, *chat, "training.on_policy.pad_token_id=50"))
     assert problem.startswith("training.on_policy.pad_token_id: 50 is outside the vocabulary (ids 0..49")
-    (problem,) = validate.check_on_policy(_start(setup, *chat, f"teacher={_model_dir(root / 'wide', eos_token_id=70)}"))
+    (problem,) = validate.check_plan(_start(setup, *chat, f"teacher={_model_dir(root / 'wide', eos_token_id=70)}"))
     assert "(eos_token_id): 70 is outside the vocabulary" in problem  # the sampling student's, from the teacher
     endless = _model_dir(root / "endless", eos_token_id=None)
-    (problem,) = validate.check_on_policy(_start(setup, *chat, f"teacher={endless}"))
+    (problem,) = validate.check_plan(_start(setup, *chat, f"teacher={endless}"))
     assert "has no end token" in problem and "set training.on_policy.eos_token_id" in problem
     (problem,) = validate.check_on_policy(_start(setup, "training.on_policy.fraction=0.25"))
     assert problem.startswith("training.on_policy.fraction=0.25 on text data")
@@ -148,17 +151,18 @@ def test_a_sampling_teacher_that_the_loss_ignores_is_refused(setup):
     config = run_config.load(None, [
         "teacher=null", "--teachers", f"[{{name: quiet, model: {setup['teacher']}, weight: 0}}, "
         f"{{name: loud, model: {second}, weight: 1}}]", f"data.train={setup['root'] / 'chat.jsonl'}",
-        "training.on_policy.fraction=1", "training.on_policy.sampler=teacher", "--students", "[{name: s}]"])
-    start = validate.Start(run_config.lead_teacher(config), False, {})
-    (problem,) = validate.check_on_policy(start)
+        "training.on_policy.fraction=1", "training.on_policy.sampler=teacher", "data.block_size=32",
+        "--students", "[{name: s}]"])
+    (problem,) = validate.check_plan(validate.Start(config, False, {}))
     assert problem.startswith("training.on_policy.sampler: teacher samples from the first teacher (quiet)")
 
 
 def test_lora_needs_a_pretrained_base_and_existing_target_modules(setup):
-    (problem,) = validate.check_peft_students(_start(setup, "--students", "[{name: s, init: {n_layer: 1}, peft: {}}]"))
+    (problem,) = validate.check_plan(_start(setup, "--students", "[{name: s, init: {n_layer: 1}, peft: {}}]"))
     assert problem.startswith("students[s].peft: LoRA adapters train on a frozen pretrained student, but this")
-    pretrained = f"[{{name: s, model: {setup['teacher']}, peft: {{target_modules: [c_attn, c_prj]}}}}]"
-    assert validate.check_peft_students(_start(setup, "--students", pretrained)) == []
+    pretrained = f"[{{name: s, model: {setup['teacher']}, peft: {{target_modules: [c_attn, c_proj]}}}}]"
+    assert validate.check_plan(_start(setup, "--students", pretrained)) == []
+    pretrained = pretrained.replace("c_proj", "c_prj")
     (problem,) = validate.check_plan(_start(setup, "--students", pretrained))  # the Distiller's plan, from configs
     assert problem.startswith("students[s].peft: target_modules: ['c_prj'] name no module of the student")
     assert "'c_proj'" in problem

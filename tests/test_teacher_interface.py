@@ -76,11 +76,12 @@ def test_a_teacher_of_your_own_runs_through_the_cli_as_python_runs_it(tiny, tmp_
     cli_losses = [json.loads(line)["s/loss"] for line in (tmp_path / "cli" / "train.jsonl").read_text().splitlines()]
 
     data = run_config.data_facts(config)
-    _, tokenizer, _, loader, _ = cli.prepare_loaders(dataclasses_replace_output(config, tmp_path / "py"), data)
+    made = cli.validate.run_plan(config, data)
+    _, tokenizer, _, loader, _ = cli.prepare_loaders(dataclasses_replace_output(config, tmp_path / "py"), data,
+                                                     made.tokenizer)
     python = Distiller(students=[StudentSpec(name="s", model=str(tiny["student"]), loss="forward_kl")],
                        teachers=[TeacherSpec(**_teacher(tiny))], training=config.training, data=data,
                        output_dir=tmp_path / "py", tokenizer=str(tiny["student"]))
-    made = cli.validate.run_plan(run_config.lead_teacher(config), data)
     assert python.plan.student_ds_configs == made.student_ds_configs
     assert python.plan.teacher_ds_configs == made.teacher_ds_configs
     assert python.plan.training.on_policy == made.training.on_policy

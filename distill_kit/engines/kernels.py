@@ -37,6 +37,20 @@ def beside(teacher_kernels: str) -> dict[str, bool]:
     return {"rope": False} if teacher_kernels == "compile" else {}
 
 
+def student_samples(on_policy: config.OnPolicyConfig) -> bool:
+    """The student samples (``training.on_policy``): its compiled decode step is what some kernels break."""
+    return on_policy.fraction > 0 and on_policy.sampler == "student"
+
+
+def teacher_liger(on_policy: config.OnPolicyConfig) -> dict[str, bool]:
+    """Liger options for the teacher when the student samples: no RoPE kernel. Liger's RoPE replaces a function of
+    the architecture's modeling file, so a student of the teacher's architecture runs it too, and in the student's
+    compiled decode step it breaks the graph in every layer: torch.compile recompiles the rest of the layer per
+    layer index until its limit (8) and runs the others eagerly (the cost: benchmarks/RESULTS.md). The teacher
+    keeps Liger's RMSNorm and SwiGLU."""
+    return {"rope": False} if student_samples(on_policy) else {}
+
+
 def _error(message: str) -> ValueError:
     """A ``ConfigError``: the CLI reports it without a traceback."""
     return ConfigError(message)

@@ -9,6 +9,7 @@ materialises whole on every rank. :func:`active_transformers_config` does that s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,8 @@ from transformers.integrations import deepspeed as hf_deepspeed
 from distill_kit.engines.deepspeed_config import zero_stage
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+logger = logging.getLogger(__name__)
 
 ModelSource = str | Path | nn.Module
 
@@ -68,6 +71,28 @@ def facts(source: ModelSource) -> dict[str, int | None]:
         "hidden_size": getattr(config, "hidden_size", None) or getattr(config, "n_embd", None),
         "num_layers": getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None),
     }
+
+
+def positions(config: Any) -> int | None:
+    """How many positions a model's config says it reads (None when it does not say): the longest row it takes."""
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def end_token(generation_config: Any, model_config: Any) -> int | None:
+    """The token a sample ends at: the generation config's ``eos_token_id``, else the model config's; the first of
+    a list. The sampler reads it from the model, a teacher's card and the start-up checks from its folder."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = eos if eos is not None else getattr(model_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
 
 
 def model_type(source: ModelSource) -> str | None:
@@ -120,16 +145,33 @@ def hidden_size(source: ModelSource) -> int | None:
 
 def load(source: ModelSource, ds_config: Mapping[str, Any], dtype: str, need_attentions: bool = False,
          config: PretrainedConfig | None = None) -> nn.Module:
-    """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout; modules pass through.
-    ``config``: its config as the plan read it (so a run reads each model's config once); None reads it here.
+    """A causal LM from a path or hub name, built under ``ds_config``'s ZeRO layout, in ``dtype``; a module given
+    built is cast to ``dtype`` as a path is loaded in it (:func:`in_dtype`). ``config``: its config as the plan read
+    it (so a run reads each model's config once); None reads it here.
 
     Fused attention kernels (SDPA, flash) return no attention maps, so a loss that needs them gets eager
     attention, and every other run keeps the fast default.
     """
     if isinstance(source, nn.Module):
-        return source
+        return in_dtype(source, dtype)
     kwargs = {"attn_implementation": "eager"} if need_attentions else {}
     if config is not None:
         kwargs["config"] = config
     with active_transformers_config(ds_config):
         return AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype], **kwargs)
+
+
+def in_dtype(model: nn.Module, dtype: str) -> nn.Module:
+    """A model given as a module, in the run's ``dtype`` (``training.dtype``), as a path is loaded in it: its
+    floating-point weights cast in place, with one info line naming both dtypes (a bf16 module would otherwise train
+    in an fp32 run with bf16 weights and no fp32 master copy: DeepSpeed casts only into bf16 and fp16). A module in
+    ``dtype`` already is returned as it is."""
+    wanted = TORCH_DTYPES[dtype]
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                    if p.is_floating_point() and p.dtype != wanted})
+    if found:
+        logger.info("%s given as a module in %s: cast to the run's training.dtype %s, as a model loaded from a "
+                    "folder is (set training.dtype: %s to train in its own)", type(model).__name__, "/".join(found),
+                    dtype, {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(found[0], found[0]))
+        model.to(wanted)
+    return model

@@ -18,7 +18,7 @@ import datasets
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from distill_kit.config import StudentSpec, TeacherSpec, import_subclass
+from distill_kit.config import StudentSpec, import_subclass
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.distiller import Distiller
@@ -75,9 +75,9 @@ def cut_students(config: RunConfig, plan: Plan, train_loader) -> dict[str, nn.Mo
               if s.init_from_teacher is not None and s.name not in built}
     if not wanted:
         return {}
-    lead = next(iter(plan.cards))
-    ds_config = plan.teacher_ds_configs[lead]  # the lead teacher's, as the run will build it
-    teacher = models.load(config.teacher, ds_config, config.training.dtype, config=plan.cards[lead].config)
+    lead = next(spec for spec in plan.teachers if spec.name == plan.lead)  # the plan's lead: the one cut from
+    ds_config = plan.teacher_ds_configs[lead.name]  # the lead teacher's, as the run will build it
+    teacher = models.load(lead.model, ds_config, config.training.dtype, config=plan.cards[lead.name].config)
     device = distributed.init()
     if deepspeed_config.zero_stage(ds_config) != 3:
         teacher.to(device)  # a replicated teacher: whole on every rank, as the run will hold it
@@ -211,11 +211,10 @@ def build_distiller(config: RunConfig, specs: list[StudentSpec], plan: Plan | No
                     vocab_map: Any = None) -> Distiller:
     """Exactly what a Python user would write (the run's students and teachers, one Distiller or the run's subclass
     of it), built from the plan the start-up checks made."""
-    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
     return distiller_class(config)(
-        students=specs, teachers=teachers, combine=config.combine, training=config.training,
+        students=specs, teachers=run_config.teacher_specs(config), combine=config.combine, training=config.training,
         deepspeed=run_config.deepspeed_settings(config), data=data, output_dir=config.output_dir,
-        tokenizer=config.tokenizer or teachers[0].model, vocab_map=vocab_map, plan=plan)
+        tokenizer=config.tokenizer, vocab_map=vocab_map, plan=plan)
 
 
 def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, Any]]:
@@ -299,12 +298,12 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
     distiller_class(config)  # importable and a Distiller, before any work
     identity, params = run_identity(config), run_config.to_dict(config)  # as given: teacher or teachers
     data = run_config.data_facts(config)  # "is this chat data?": decided here, once
-    plan = validate.validate(config, resume, identity, data)
-    config = run_config.lead_teacher(config)  # with teachers, the first is "the teacher"
+    plan = validate.validate(config, resume, identity, data)  # the plan decides the lead teacher and the tokenizer
     checkpoints = plan.checkpoint_dir if plan is not None else checkpoint_folder(config.training, out)
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, checkpoint_dir=checkpoints))
     with _input_errors("data"):
-        data_config, tokenizer, own, train_loader, eval_loader = prepare_loaders(config, data, plan and plan.rewards)
+        data_config, tokenizer, own, train_loader, eval_loader = prepare_loaders(
+            config, data, validate.tokenizer_of(config, plan), plan and plan.rewards)
     _claim(out, config, identity, resume, held)
     if distributed.is_main() and own is not None:
         own.save(out)
@@ -333,16 +332,18 @@ def run_task(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dic
     as a run's is."""
     from distill_kit.tasks import compare
     # the task writes its own chat records, rows as long as its prompts and answers: no data.block_size to check
-    validate.validate(config, resume, run_identity(config), DataFacts(kind="chat"), checks=validate.TASK_CHECKS)
+    plan = validate.validate(config, resume, run_identity(config), DataFacts(kind="chat"),
+                             checks=validate.TASK_CHECKS)
     _on_main_or_refuse(lambda: held.enter_context(output_dir.Lock(Path(config.output_dir))))
-    return compare.run(config, prepare_student, resume)
+    return compare.run(config, prepare_student, validate.tokenizer_of(config, plan), resume)
 
 
-def prepare_loaders(config: RunConfig, data: DataFacts, rewards: Sequence[Any] = ()):
-    """The data phase: the data files (the embedded corpus written once), the tokenizer (the students' own across
-    tokenizers), and this rank's training and held-out loaders."""
+def prepare_loaders(config: RunConfig, data: DataFacts, tokenizer_source: str, rewards: Sequence[Any] = ()):
+    """The data phase: the data files (the embedded corpus written once), the tokenizer (``tokenizer_source``, the
+    run's as its plan decided it; the students' own across tokenizers), and this rank's training and held-out
+    loaders (``rewards``: the plan's, whose record fields the chat records keep)."""
     data_config = prepare_data(config)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     own = student_tokenizer.prepare(config, data_config, tokenizer)  # None: the students share the teacher's
     if own is not None:
         tokenizer = own.tokenizer

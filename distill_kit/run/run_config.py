@@ -79,8 +79,9 @@ class RunConfig:
     chat conversation taught by the teacher its record names under data.teacher_field: specialist teachers of
     their own domains; docs/teachers.md#routing-a-teacher-per-conversation)."""
     tokenizer: str | None = None
-    """Tokenizer directory or hub name; None uses the (first) teacher's, or the first student's when that teacher is
-    the student itself (kind self). Every student must share it."""
+    """Tokenizer directory or hub name; None uses the (first) teacher's as its card names it (its folder or hub name;
+    a served teacher's options.tokenizer), or the first student's when that teacher is the student itself (kind
+    self); a teacher that names none (a store, a class of your own without one) needs it. Every model must share it."""
     student_tokenizer: str | None = None
     """The students' own tokenizer when it differs from the teacher's: a directory, a hub name, or 'bpe:<size>' (a
     byte-level BPE of that many tokens trained on data.train, cached in cache_dir). The run then distils across
@@ -332,31 +333,12 @@ def data_facts(config: RunConfig) -> Any:
                      kind == "chat", teacher_block_size=config.teacher_block_size if config.student_tokenizer else None)
 
 
-def self_taught(config: RunConfig) -> bool:
-    """The first of ``teachers`` is the student itself (``kind: self``): the run has no teacher folder."""
-    return bool(config.teachers) and config.teacher is None and config.teachers[0].kind == "self"
-
-
-def lead_teacher(config: RunConfig) -> RunConfig:
-    """The config with ``teacher`` set to the first of ``teachers``: the model that stands for "the teacher" where
-    one is meant (the tokenizer, a student's ``init``, ``init_from_teacher``). Unchanged without ``teachers``.
-    A served first teacher (a URL) has no tokenizer folder: its ``options.tokenizer`` is the run's unless
-    ``tokenizer`` is given. A self-teacher first (``kind: self``) is the student: no teacher folder stands for it
-    (``teacher`` stays None), and the first student's tokenizer is the run's unless ``tokenizer`` is given."""
-    if not config.teachers or config.teacher is not None:
-        return config
-    lead = config.teachers[0]
-    tokenizer = config.tokenizer
-    if tokenizer is None and isinstance(lead.model, str) and lead.model.startswith(("http://", "https://")):
-        tokenizer = lead.options.get("tokenizer")
-    if self_taught(config):
-        student = config.students[0].model if config.students else None
-        return dataclasses.replace(config, tokenizer=tokenizer or (student if isinstance(student, str) else None))
-    return dataclasses.replace(config, teacher=lead.model, tokenizer=tokenizer)
-
-
-
-
+def teacher_specs(config: RunConfig) -> list[TeacherSpec]:
+    """The run's teachers as specs: ``teachers``, or the one of ``teacher`` (named ``teacher``). Which of them leads,
+    and the run's tokenizer, are the plan's to decide (``training/plan.py``: ``lead_teacher``, ``run_tokenizer``)."""
+    if config.teachers:
+        return list(config.teachers)
+    return [TeacherSpec(name="teacher", model=config.teacher)] if config.teacher is not None else []
 
 
 def dump(config: RunConfig) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,24 +21,28 @@ from transformers import PretrainedConfig
 
 from distill_kit.config import TeacherSpec
 from distill_kit.config import specs as config_specs
-from distill_kit.data import blocks, chat
+from distill_kit.data import blocks
 from distill_kit.engines import deepspeed_config, distributed, models
 from distill_kit.errors import ConfigError
 from distill_kit.run import output_dir, run_config, student_tokenizer, trackers
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.tasks import harness
+from distill_kit.teachers import TeacherCard
 from distill_kit.teachers.combine import check_weights
-from distill_kit.teachers.kinds import kind_of
+from distill_kit.teachers.kinds import is_import_path, kind_of
 from distill_kit.teachers.tokenizers import tokenizer_problems
 from distill_kit.training import checkpoint
-from distill_kit.training.on_policy import end_token
-from distill_kit.training.plan import DataFacts, Plan, checkpoint_folder, make_plan
+from distill_kit.training.plan import (
+    DataFacts,
+    Plan,
+    checkpoint_folder,
+    lead_teacher,
+    listed,
+    make_plan,
+    run_tokenizer,
+    teacher_cards,
+)
 from losses import registry as loss_registry
-
-# Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and
-# Adam's two moments (ZeRO-2/3 save all three in fp32).
-OPTIMIZER_BYTES_PER_PARAMETER = 12
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -66,6 +69,11 @@ class Start:
 
     def checkpoint_dir(self) -> str:
         return checkpoint_folder(self.config.training, self.config.output_dir)
+
+    def tokenizer(self) -> str | None:
+        """The run's tokenizer, the plan's decision (``tokenizer_of``; by the plan's rule over the cards where the
+        plan could not be made, so that its problem is reported with the plan's): None when no model names one."""
+        return tokenizer_of(self.config, self.plan)
 
 
 def _local(path: str) -> bool:
@@ -108,40 +116,54 @@ def data_fingerprint(config: RunConfig) -> dict[str, dict[str, str]]:
 
 
 def check_models(start: Start) -> list[str]:
-    """Teacher, students and tokenizer: each local folder exists and holds what it must."""
+    """The lead teacher and the students: each local folder exists and holds what it must; the run's tokenizer, as
+    the plan decided it (``plan.run_tokenizer``), is named and holds a tokenizer (the CLI reads its data with it)."""
     config = start.config
     problems = []
-    # no teacher folder: the student is its own teacher (kind self; run_config.lead_teacher), the plan checks it
-    lead = "self" if config.teacher is None else kind_of(TeacherSpec(name="teacher", model=config.teacher))
-    sources = [("teacher", config.teacher)] if lead == "engine" else []
+    lead = lead_teacher(run_config.teacher_specs(config))
+    lead_key = "teacher" if not config.teachers else f"teachers[{lead.name}].model"
+    kind = kind_of(lead)  # the other teachers' folders: check_teachers; a self-teacher's: the student's, below
+    sources = [(lead_key, lead.model)] if kind == "engine" else []
     sources += [(f"students[{s.name}].model", s.model) for s in config.students]
-    for kind, path in sources:
+    for key, path in sources:
         if path is None or not _local(path):
             continue
         if not Path(path).is_dir():
-            problems.append(f"{kind}: {path!r} does not exist; give a save_pretrained directory or a hub name")
+            problems.append(f"{key}: {path!r} does not exist; give a save_pretrained directory or a hub name")
         elif not (Path(path) / "config.json").is_file():
-            problems.append(f"{kind}: the folder {path!r} holds no model (no config.json); give a directory "
+            problems.append(f"{key}: the folder {path!r} holds no model (no config.json); give a directory "
                             "written by save_pretrained")
-    if lead not in ("engine", "self"):  # a server (or a store) has no weights here to cut a student out of
+    if kind not in ("engine", "self"):  # a server (or a store) has no weights here to cut a student out of
         problems += [f"students[{s.name}].init_from_teacher cuts the student out of the teacher's weights, and the "
-                     f"teacher {config.teacher!r} holds no weights here (its kind: "
-                     f"{'a class of its own' if ':' in lead else lead}): build it with init "
+                     f"teacher {lead.model!r} holds no weights here (its kind: "
+                     f"{'a class of its own' if ':' in kind else kind}): build it with init "
                      "(the teacher's config, e.g. init: {num_hidden_layers: 4}) or give model: a folder"
                      for s in config.students if s.init_from_teacher is not None]
-    if lead == "served" and config.tokenizer is None:
-        problems.append(f"teacher {config.teacher!r} is served: the run reads its data with a local tokenizer. Set "
-                        "tokenizer: the folder of the served model's tokenizer (or options.tokenizer in teachers:)")
-        return problems
-    tokenizer = config.tokenizer or config.teacher
-    if tokenizer is not None and _local(tokenizer) and Path(tokenizer).is_dir() and not any(
-            (Path(tokenizer) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        key = "tokenizer" if config.tokenizer else "teacher"
-        if lead == "self" and config.tokenizer == config.students[0].model:  # lead_teacher's choice, not the user's
+    try:
+        tokenizer = start.tokenizer()
+    except ConfigError as err:  # a teacher whose card cannot be read: the plan's problem, but across tokenizers
+        return problems + ([str(err)] if config.student_tokenizer else [])  # no plan is made here
+    if tokenizer is None:
+        problems.append(no_tokenizer(lead, (start.plan.cards if start.plan else teacher_cards([lead]))[lead.name]))
+    elif tokenizer is not None and _local(tokenizer) and Path(tokenizer).is_dir() and not models.has_tokenizer(
+            tokenizer):
+        key = "tokenizer" if config.tokenizer else lead_key
+        if kind == "self" and config.tokenizer is None:  # the plan's choice, not the user's
             key = f"students[{config.students[0].name}].model (the run's tokenizer: the student is its own teacher)"
         problems.append(f"{key}: the folder {tokenizer!r} holds no tokenizer (no tokenizer.json or "
                         "tokenizer_config.json); save it there with tokenizer.save_pretrained, or set tokenizer to one")
     return problems
+
+
+def no_tokenizer(lead: TeacherSpec, card: TeacherCard) -> str:
+    """The refusal of a run whose tokenizer no model names (the plan's ``tokenizer`` is None), with its fixes."""
+    own = " (or have its describe return TeacherCard(..., tokenizer=...))" if is_import_path(card.kind) else ""
+    fix = {"served": f" (or options.tokenizer in teachers[{lead.name}]: the folder of the served model's "
+                     "tokenizer)",
+           "store": " (a store records its tokenizer's sha256 only: the run's tokenizer is compared with it)"}.get(
+        card.kind, own)
+    return (f"teacher {lead.name!r} (a {card.kind} teacher, {card.source}) names no tokenizer, and the run reads its "
+            "data with one: set tokenizer: the folder or hub name of the teachers' tokenizer" + fix)
 
 
 def check_student_tokenizers(start: Start) -> list[str]:
@@ -156,10 +178,20 @@ def check_student_tokenizers(start: Start) -> list[str]:
 
 def run_plan(config: RunConfig, data: DataFacts) -> Plan:
     """The run's plan from its run config: exactly what the Distiller builds from (the CLI hands it over)."""
-    teachers = list(config.teachers) if config.teachers else [TeacherSpec(name="teacher", model=config.teacher)]
-    return make_plan(list(config.students), teachers, training=config.training, combine=config.combine,
-                     world_size=distributed.world_size(), deepspeed=run_config.deepspeed_settings(config), data=data,
-                     output_dir=config.output_dir, tokenizer=config.tokenizer or teachers[0].model, evaluate=True)
+    return make_plan(list(config.students), run_config.teacher_specs(config), training=config.training,
+                     combine=config.combine, world_size=distributed.world_size(),
+                     deepspeed=run_config.deepspeed_settings(config), data=data, output_dir=config.output_dir,
+                     tokenizer=config.tokenizer, evaluate=True)
+
+
+def tokenizer_of(config: RunConfig, plan: Plan | None) -> str | None:
+    """The run's tokenizer, as its plan decided it; across tokenizers (no plan before the vocabulary map) by the
+    plan's rule over the teacher's card, as the Distiller's plan will decide it."""
+    if plan is not None:
+        return plan.tokenizer
+    teachers = run_config.teacher_specs(config)
+    return run_tokenizer(config.students, teachers, teacher_cards(teachers), config.tokenizer,
+                         across=config.student_tokenizer is not None)
 
 
 def check_plan(start: Start) -> list[str]:
@@ -172,8 +204,7 @@ def check_plan(start: Start) -> list[str]:
     try:
         start.plan = run_plan(start.config, start.data)
     except (ConfigError, deepspeed_config.DeepSpeedConfigError) as err:
-        message = str(err)
-        return message.split("\n  - ")[1:] if message.split("\n")[0].endswith("problems:") else [message]
+        return listed(str(err))
     return []
 
 
@@ -190,51 +221,13 @@ def check_data(start: Start) -> list[str]:
     return problems
 
 
-def check_packing(start: Start) -> list[str]:
-    """``data.packing: true`` packs chat conversations (data/chat.py), and with on-policy sampling the sampled
-    micro-batches (``on_policy.pack_to``); a packed row would hold conversations of several teachers under
-    ``combine: route``, which is not supported."""
-    config = start.config
-    if config.data.packing is not True or config.combine != "route" or config.data.train == STDLIB_CORPUS:
-        return []
-    return [chat.ROUTED_PACKING]
-
-
 def check_checkpoint_disk(start: Start) -> list[str]:
-    """The checkpoint folder can be written, and its disk has room for the checkpoints the run will keep."""
-    directory = Path(start.checkpoint_dir())
-    existing = checkpoint.nearest_existing(directory)
-    if not existing.is_dir():
-        return [f"training.checkpoint_dir {str(directory)!r} cannot be created: {existing} is not a folder"]
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".distill-kit-write-test-"):
-            pass
-    except OSError as err:
-        return [f"training.checkpoint_dir {str(directory)!r} cannot be written: {existing}: {err.strerror or err}. "
-                "Choose a folder you can write, or fix its permissions"]
-    sizes = [_checkpoint_bytes(c, start.config.training.dtype) for c in start.students().values()]
-    if any(size is None for size in sizes):
+    """Across tokenizers, where the plan is made once the vocabulary map exists: the checkpoint folder can be created
+    and written. Otherwise the plan checks it, with its disk's room (``checkpoint.folder_problems``)."""
+    if not start.config.student_tokenizer:
         return []
-    kept = start.config.training.keep_checkpoints
-    on_disk = sum(1 for p in directory.glob(checkpoint.PREFIX + "*")) if directory.is_dir() else 0
-    needed = max(1, kept + 1 - on_disk) * sum(sizes)  # a new one is written before the oldest is deleted
-    free = checkpoint.free_bytes(existing)
-    if free < needed:
-        return [f"training.checkpoint_dir {str(directory)!r}: its disk has {free / 1e9:.2f} GB free, but the run "
-                f"needs about {needed / 1e9:.2f} GB for its checkpoints ({sum(sizes) / 1e9:.2f} GB each: weights "
-                f"and optimizer states; {kept} kept, and one more while a new one is written). Free space, lower "
-                "training.keep_checkpoints, or choose another training.checkpoint_dir"]
-    return []
+    return checkpoint.folder_problems(start.checkpoint_dir(), None, start.config.training.keep_checkpoints)
 
-
-def _checkpoint_bytes(config: PretrainedConfig | None, dtype: str) -> int | None:
-    """About what one student's checkpoint takes: its weights, and the optimizer's fp32 states."""
-    if config is None:
-        return None
-    try:
-        return models.parameter_count(config) * (WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAMETER)
-    except Exception:  # noqa: BLE001 - check_student_init names a model that cannot be built
-        return None
 
 def check_harness(start: Start) -> list[str]:
     """``eval.harness``: lm-evaluation-harness installed and every task name known, before any training."""
@@ -295,48 +288,15 @@ def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def check_on_policy(start: Start) -> list[str]:
-    """On-policy training: chat data (the prompts it answers), an end token and a pad token inside every
-    vocabulary, and (sampler teacher) a sampling teacher that takes part in the loss. (One student: the plan's.)"""
+    """On-policy training on chat data (the prompts it answers). The rest is the plan's: one student, a sampling
+    teacher that can generate and takes part in the loss, an end token and a pad token inside every vocabulary."""
     config = start.config
     on_policy = config.training.on_policy
-    if on_policy.fraction == 0:
-        return []
-    problems = []
-    where = f"training.on_policy.fraction={on_policy.fraction}"
-    if config.data.train != STDLIB_CORPUS and start.data.kind != "chat":
-        problems.append(f"{where} on text data (data.format: text): a sample answers a prompt, and packed text has "
-                        "none. Give chat data (records with messages, or prompt/completion), or set "
-                        "training.on_policy.fraction: 0")
-    if on_policy.sampler == "teacher" and config.teachers and config.teachers[0].weight == 0:
-        problems.append(f"training.on_policy.sampler: teacher samples from the first teacher "
-                        f"({config.teachers[0].name}), whose weight is 0: the student would learn from samples of a "
-                        "teacher its loss ignores. List a teacher with weight > 0 first")
-    if start.plan is None and check_plan(start):
-        return problems  # the plan's own problems are check_plan's to report
-    plan = start.plan
-    if plan is None:  # across tokenizers: the plan is made once the vocabulary map exists
-        return problems
-    teacher_card = next(iter(plan.cards.values()), None)
-    student = plan.student_configs.get(config.students[0].name)
-    sampling_source = config.teacher if on_policy.sampler == "teacher" else (config.students[0].model or config.teacher)
-    vocabularies = [size for size in [teacher_card and teacher_card.vocab_size,
-                                      *(getattr(c, "vocab_size", None) for c in plan.student_configs.values())] if size]
-    vocab = min(vocabularies) if vocabularies else None
-    eos = on_policy.eos_token_id
-    eos_key = "training.on_policy.eos_token_id"
-    if eos is None:
-        eos = (teacher_card.eos_token_id if on_policy.sampler == "teacher" and teacher_card else
-               end_token(models.generation_config(config.students[0].model), student))
-        eos_key = f"the end token of {sampling_source!r} (eos_token_id)"
-        if eos is None:
-            problems.append(f"training.on_policy: {sampling_source!r} has no end token (no eos_token_id in its config "
-                            "or generation config), so samples would never end; set training.on_policy.eos_token_id "
-                            "(e.g. the tokenizer's eos_token_id)")
-    for key, value in ((eos_key, eos), ("training.on_policy.pad_token_id", on_policy.pad_token_id)):
-        if value is not None and vocab is not None and not 0 <= value < vocab:
-            problems.append(f"{key}: {value} is outside the vocabulary (ids 0..{vocab - 1} in every model of the "
-                            "run); give a token id of the tokenizer")
-    return problems
+    if on_policy.fraction > 0 and config.data.train != STDLIB_CORPUS and start.data.kind != "chat":
+        return [f"training.on_policy.fraction={on_policy.fraction} on text data (data.format: text): a sample answers "
+                "a prompt, and packed text has none. Give chat data (records with messages, or prompt/completion), "
+                "or set training.on_policy.fraction: 0"]
+    return []
 
 
 def check_data_format(start: Start) -> list[str]:
@@ -359,22 +319,9 @@ def check_data_format(start: Start) -> list[str]:
     return problems
 
 
-def check_peft_students(start: Start) -> list[str]:
-    """LoRA adapters go on a pretrained student: adapters on a random frozen base learn on noise. (Its
-    ``target_modules`` are the plan's: ``check_plan``.)"""
-    problems = []
-    for student in start.config.students:
-        if student.peft is not None and student.model is None and student.init_from_teacher is None:
-            problems.append(f"students[{student.name}].peft: LoRA adapters train on a frozen pretrained student, but "
-                            "this student is built with random weights (init): its frozen base would stay noise. "
-                            "Give model: a pretrained directory (or init_from_teacher), or drop peft to train every "
-                            "weight")
-    return problems
-
-
 Check = Callable[[Start], list[str]]
-CHECKS: list[Check] = [check_plan, check_output_dir, check_models, check_student_tokenizers, check_data, check_packing,
-                       check_data_format, check_students, check_on_policy, check_peft_students, check_checkpoint_disk,
+CHECKS: list[Check] = [check_plan, check_output_dir, check_models, check_student_tokenizers, check_data,
+                       check_data_format, check_students, check_on_policy, check_checkpoint_disk,
                        lambda start: student_tokenizer.config_problems(start.config), check_trackers, check_harness]
 """Run in this order on rank 0 by :func:`validate`; append a check to have it run up front too."""
 
@@ -440,15 +387,13 @@ def validate(config: RunConfig, resume: bool, identity: dict[str, Any], data: Da
     every rank. Writes nothing. Returns the run's plan, on every rank (None across tokenizers: the Distiller makes
     it once the vocabulary map exists).
 
-    ``check_teachers`` reads the config as given; the other checks see the first of ``teachers`` as the teacher."""
+    ``check_teachers`` checks ``teacher`` and ``teachers`` as given; the other checks run once there is a teacher."""
     problems: list[str] = []
     plan = None
-    lead = run_config.lead_teacher(config)
     if distributed.is_main():
         problems = check_teachers(config, data)
-        start = Start(lead, resume, identity, data=data)
-        taught = start.config.teacher is not None or run_config.self_taught(config)
-        for check in (CHECKS if checks is None else checks) if taught else []:
+        start = Start(config, resume, identity, data=data)
+        for check in (CHECKS if checks is None else checks) if run_config.teacher_specs(config) else []:
             problems += check(start)
         plan = start.plan
     problems = distributed.broadcast_object(problems)
@@ -456,5 +401,5 @@ def validate(config: RunConfig, resume: bool, identity: dict[str, Any], data: Da
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
     if not distributed.is_main() and not config.student_tokenizer:
-        plan = run_plan(lead, data)  # pure: every rank makes the same one
+        plan = run_plan(config, data)  # pure: every rank makes the same one
     return plan

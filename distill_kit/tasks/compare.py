@@ -106,13 +106,15 @@ SELF_TEACHER = TeacherSpec(name="self", kind="self", options={"mode": "initial",
 answer from the prompt; the student's own, trained on plain prompts only, drift away from that (``ema``/``live``)."""
 
 
-def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: bool = False) -> dict[str, Any]:
+def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], tokenizer: str,
+        resume: bool = False) -> dict[str, Any]:
     """Every recipe in ``config.task.recipes`` at every seed in ``config.task.seeds``; writes
     ``<output_dir>/report.json`` and returns its summary: per recipe the mean over the seeds, the range and each
     seed's value (:func:`aggregate`), and each seed's own table.
 
     ``prepare_student`` is the CLI's (``run/cli.py``): the student the run config describes, built or cut from the
-    teacher as a training run would (passed in, so the CLI and this module do not import each other)."""
+    teacher as a training run would (passed in, so the CLI and this module do not import each other). ``tokenizer``:
+    the run's, as its plan decided it (``training/plan.py``: ``run_tokenizer``)."""
     task, began = config.task, time.perf_counter()
     if resume:
         raise ConfigError("--resume does not apply to a task benchmark (task.name): its recipes are short; rerun it")
@@ -130,7 +132,7 @@ def run(config: RunConfig, prepare_student: Callable[..., StudentSpec], resume: 
                           "groups of each prompt: give a micro_batch_size that is a multiple of it")
     if (out / "report.json").exists():
         raise ConfigError(f"{out} already holds a report.json; give a new --output_dir")
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     per_seed = []
     for seed in task.seeds:  # each seed is a whole run of its own: training.seed drives its data, init and sampling
         started = time.perf_counter()

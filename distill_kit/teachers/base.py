@@ -59,7 +59,9 @@ class TeacherCard:
     vocab_size: int | None = None
     """Rows of its logits (may be padded past the tokenizer's)."""
     tokenizer: str | None = None
-    """A folder or hub name its tokenizer loads from, compared with every student's; None: nothing to compare."""
+    """A folder or hub name its tokenizer loads from: compared with every student's, and the run's tokenizer when it
+    leads the run and none is given (``plan.run_tokenizer``). None: it names none (a run config must then give
+    ``tokenizer:``)."""
     tokenizer_sha256: str | None = None
     """Its vocabulary's sha256 (``offline/fingerprints.tokenizer_fingerprint``) where it has no folder to compare
     (a store, a server): compared with the run's tokenizer."""
@@ -71,6 +73,8 @@ class TeacherCard:
     model_type: str | None = None
     config: Any = field(default=None, compare=False, repr=False)
     """Its model config (a ``PretrainedConfig``) where it has one: what a fresh student is built from."""
+    is_student: bool = False
+    """It is the student's own network (a self-teacher): the run's tokenizer is then the student's."""
 
     @property
     def dense(self) -> bool:

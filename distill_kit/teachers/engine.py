@@ -21,7 +21,6 @@ from distill_kit.engines import fp8, head, kernels, models
 from distill_kit.engines.build import build_teacher
 from distill_kit.engines.fingerprint import teacher_fingerprint
 from distill_kit.teachers.base import ATTENTIONS, HEAD, HIDDEN_STATES, LOGITS, Teacher, TeacherCard, TeacherSetup
-from distill_kit.training.on_policy import end_token, positions, teacher_liger
 
 
 class EngineTeacher(Teacher):
@@ -35,13 +34,13 @@ class EngineTeacher(Teacher):
         facts = models.facts(config)
         model_type = getattr(config, "model_type", None)
         outputs = {LOGITS, HIDDEN_STATES, ATTENTIONS} | ({HEAD} if model_type in head.EXACT_HEADS else set())
-        folder = Path(model) if isinstance(model, str | Path) and Path(model).is_dir() else None
         return TeacherCard(
             kind=cls.kind, source=str(model) if isinstance(model, str | Path) else type(model).__name__,
             outputs=frozenset(outputs), can_generate=True, engine=True, vocab_size=getattr(text, "vocab_size", None),
-            tokenizer=str(model) if folder is not None and models.has_tokenizer(folder) else None,
-            positions=positions(config), hidden_size=facts["hidden_size"], num_layers=facts["num_layers"],
-            eos_token_id=end_token(models.generation_config(model), config), model_type=model_type, config=config)
+            tokenizer=str(model) if isinstance(model, str | Path) else None,  # a folder or a hub name
+            positions=models.positions(config), hidden_size=facts["hidden_size"], num_layers=facts["num_layers"],
+            eos_token_id=models.end_token(models.generation_config(model), config), model_type=model_type,
+            config=config)
 
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         super().__init__(spec, card, setup)
@@ -53,7 +52,7 @@ class EngineTeacher(Teacher):
                                      fp8.resolve(training.teacher_precision, training.dtype), setup.need_attentions,
                                      setup.device, config=card.config)
             kernels.apply(model, fp8.run_teacher_kernels(training), "training.teacher_kernels",
-                          liger=teacher_liger(training.on_policy))
+                          liger=kernels.teacher_liger(training.on_policy))
             self.engine = build_teacher(model, setup.ds_config, training.dtype, setup.device)
         self._identity: str | None = None
 

@@ -33,6 +33,11 @@ def import_class(path: str, key: str) -> type[Teacher]:
                            "(docs/teachers.md#kinds-of-teacher-and-a-teacher-of-your-own)")
 
 
+def is_url(model: object) -> bool:
+    """A model given as a server's address: a ``served`` teacher (the one copy of the rule)."""
+    return isinstance(model, str) and model.startswith(("http://", "https://"))
+
+
 def kind_of(spec: TeacherSpec) -> str:
     """The backend's name: ``spec.kind``, or read from ``spec.model`` when it is ``auto``."""
     if spec.kind != "auto":
@@ -44,7 +49,7 @@ def kind_of(spec: TeacherSpec) -> str:
         return "class"
     if is_import_path(model):
         return model
-    if isinstance(model, str) and model.startswith(("http://", "https://")):
+    if is_url(model):
         return "served"  # a teacher server's address (teachers/served.py)
     if isinstance(model, str | Path) and (Path(model) / "manifest.json").is_file() and not (
             Path(model) / "config.json").is_file():

@@ -101,7 +101,8 @@ class SelfTeacher(Teacher):
             raise ConfigError(f"teachers[{spec.name}].model: a self-teacher is the student itself and reads no model "
                               f"({spec.model!r}): drop model, or drop kind: self for a teacher of its own weights")
         mode, _, _ = settings(spec)
-        return TeacherCard(kind=cls.kind, source=f"the student ({mode} weights)", outputs=frozenset({LOGITS}))
+        return TeacherCard(kind=cls.kind, source=f"the student ({mode} weights)", outputs=frozenset({LOGITS}),
+                           is_student=True)
 
     @classmethod
     def run_problems(cls, spec: TeacherSpec, card: TeacherCard, *, students: Sequence[Any],

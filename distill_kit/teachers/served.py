@@ -64,6 +64,7 @@ from distill_kit.config import TeacherSpec
 from distill_kit.errors import ConfigError, TeacherFault
 from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.kinds import is_url
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
 from distill_kit.teachers.tokenizers import vocabulary_sha256
 from losses.sparse import SparseTeacherLogits
@@ -82,12 +83,7 @@ TRANSPORT_OPTIONS = ("api_key_env", "timeout_s", "wait_s", "retries_s", "rows_pe
 the weights' sha256, are the teacher's identity)."""
 
 __all__ = ["TRANSPORT_OPTIONS", "ServedCard", "ServedOutput", "ServedTeacher", "TeacherResponseError",
-           "TeacherTimeout", "TeacherUnavailable", "is_url"]
-
-
-def is_url(model: object) -> bool:
-    """A model given as a server's address (``kinds.kind_of``'s rule for ``served``)."""
-    return isinstance(model, str) and model.startswith(("http://", "https://"))
+           "TeacherTimeout", "TeacherUnavailable", "is_url"]  # is_url: kinds.py's rule, named here too
 
 
 @dataclass(frozen=True)

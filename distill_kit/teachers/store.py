@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from distill_kit.config import TeacherSpec
+from distill_kit.engines import models
 from distill_kit.errors import ConfigError
 from distill_kit.offline.captured_teacher import CapturedTeacher, teacher_config
 from distill_kit.offline.store import Manifest
 from distill_kit.teachers.base import HIDDEN_STATES, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
-from distill_kit.training.on_policy import positions
 
 
 class StoreTeacher(Teacher):
@@ -42,7 +42,7 @@ class StoreTeacher(Teacher):
         outputs = {TOP_K} | ({TOP_K_TAIL} if tail else set()) | ({HIDDEN_STATES} if store.hidden_layers else set())
         return TeacherCard(kind=cls.kind, source=str(root), outputs=frozenset(outputs), vocab_size=store.vocab_size,
                            tokenizer_sha256=store.tokenizer_hash,
-                           positions=positions(config), hidden_size=text.hidden_size,
+                           positions=models.positions(config), hidden_size=text.hidden_size,
                            num_layers=text.num_hidden_layers, eos_token_id=getattr(text, "eos_token_id", None),
                            model_type=config.model_type, config=config)
 

@@ -40,6 +40,7 @@ import os
 import random
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -471,6 +472,44 @@ def nearest_existing(directory: str | Path) -> Path:
 def free_bytes(directory: str | Path) -> int:
     """Space left on the disk that holds ``directory`` (or would hold it)."""
     return shutil.disk_usage(nearest_existing(directory)).free
+
+
+OPTIMIZER_BYTES_PER_PARAMETER = 12
+"""Bytes a checkpoint keeps per trained parameter beyond its weights: the optimizer's fp32 master copy and Adam's two
+moments (ZeRO-2/3 save all three in fp32)."""
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def checkpoint_bytes(parameters: int, dtype: str) -> int:
+    """About what one student's checkpoint takes: its weights in ``dtype``, and the optimizer's fp32 states."""
+    return parameters * (WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES_PER_PARAMETER)
+
+
+def folder_problems(directory: str | Path, each: int | None, keep: int) -> list[str]:
+    """Before a run starts: its checkpoint folder can be created and written, and its disk has room for ``keep``
+    checkpoints of ``each`` bytes and one more while a new one is written (None: the size is not known). Nothing is
+    left behind (the write test's file is removed)."""
+    directory = Path(directory)
+    existing = nearest_existing(directory)
+    if not existing.is_dir():
+        return [f"training.checkpoint_dir {str(directory)!r} cannot be created: {existing} is not a folder"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".distill-kit-write-test-"):
+            pass
+    except OSError as err:
+        return [f"training.checkpoint_dir {str(directory)!r} cannot be written: {existing}: {err.strerror or err}. "
+                "Choose a folder you can write, or fix its permissions"]
+    if each is None:
+        return []
+    on_disk = sum(1 for _ in directory.glob(PREFIX + "*")) if directory.is_dir() else 0
+    needed = max(1, keep + 1 - on_disk) * each  # a new one is written before the oldest is deleted
+    free = free_bytes(existing)
+    if free < needed:
+        return [f"training.checkpoint_dir {str(directory)!r}: its disk has {free / 1e9:.2f} GB free, but the run "
+                f"needs about {needed / 1e9:.2f} GB for its checkpoints ({each / 1e9:.2f} GB each: weights "
+                f"and optimizer states; {keep} kept, and one more while a new one is written). Free space, lower "
+                "training.keep_checkpoints, or choose another training.checkpoint_dir"]
+    return []
 
 
 def disk_space(directory: str | Path) -> str:

@@ -43,6 +43,8 @@ from torch import nn
 from distill_kit.config import OnPolicyConfig
 from distill_kit.data import chat
 from distill_kit.engines import distributed
+from distill_kit.engines.kernels import student_samples
+from distill_kit.engines.models import end_token, positions
 from distill_kit.errors import ConfigError
 from losses.base import IGNORE_INDEX
 
@@ -205,28 +207,6 @@ class Sampler:
         return int(pad) if pad is not None else self.eos_token_id
 
 
-def end_token(generation_config: Any, model_config: Any) -> int | None:
-    """The token a sample ends at: the generation config's ``eos_token_id``, else the model config's; the first of
-    a list. The sampler reads it from the model, the CLI's start-up check from the model's folder."""
-    eos = getattr(generation_config, "eos_token_id", None)
-    eos = eos if eos is not None else getattr(model_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return None if eos is None else int(eos)
-
-
-def positions(config: Any) -> int | None:
-    """How many positions a model's config says it reads (None when it does not say): the longest row it takes."""
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 @contextlib.contextmanager
 def sdpa_gqa(enabled: bool) -> Iterator[None]:
     """While it lasts, transformers' SDPA attention passes grouped-query heads to SDPA as they are
@@ -255,10 +235,6 @@ def eager_layers(model: nn.Module) -> contextlib.AbstractContextManager:
     return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
-def student_samples(config: OnPolicyConfig) -> bool:
-    return config.fraction > 0 and config.sampler == "student"
-
-
 def student_kernels(choice: str, config: OnPolicyConfig) -> str:
     """The student's ``training.student_kernels`` when it samples: ``auto`` then means none. Liger's RMSNorm
     kernel inside the compiled static-cache decode step makes torch.compile assume it mutates the weights, so the
@@ -270,15 +246,6 @@ def student_kernels(choice: str, config: OnPolicyConfig) -> str:
                        "8.2x as long and its on-policy step 5.2x (benchmarks/results/peers.md); auto leaves Liger "
                        "out of a sampling student")
     return "none" if choice == "auto" and student_samples(config) else choice
-
-
-def teacher_liger(config: OnPolicyConfig) -> dict[str, bool]:
-    """Liger options for the teacher when the student samples: no RoPE kernel. Liger's RoPE replaces a function of
-    the architecture's modeling file, so a student of the teacher's architecture runs it too, and in the student's
-    compiled decode step it breaks the graph in every layer: torch.compile recompiles the rest of the layer per
-    layer index until its limit (8) and runs the others eagerly (the cost: benchmarks/RESULTS.md). The teacher
-    keeps Liger's RMSNorm and SwiGLU."""
-    return {"rope": False} if student_samples(config) else {}
 
 
 def repeat_rows(batch: Mapping[str, Any], times: int) -> Batch:

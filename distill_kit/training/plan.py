@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from torch import nn
+
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, check_names
+from distill_kit.data import chat
 from distill_kit.engines import fp8, head, kernels, models, peft_student
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
@@ -26,8 +29,7 @@ from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, k
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
 from distill_kit.teachers.residency import PagingPlan
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
-from distill_kit.training import rewarding
-from distill_kit.training.on_policy import positions
+from distill_kit.training import checkpoint, rewarding
 from losses import DistillationLoss, build_loss
 
 
@@ -84,6 +86,12 @@ class Plan:
     (``teachers/residency.py``)."""
     rewards: list[Any] = field(default_factory=list)
     """``training.rewards``' functions, resolved and their signatures checked (``training/rewarding.py``)."""
+    lead: str | None = None
+    """The lead teacher's name (:func:`lead_teacher`): the one that stands for "the teacher" where one model is
+    meant. None without a teacher."""
+    tokenizer: str | None = None
+    """The run's tokenizer, a folder or hub name (:func:`run_tokenizer`): the one given, else the lead teacher's as
+    its card names it. The CLI reads its data with it; None: no model of the run names one."""
 
     @property
     def need_attentions(self) -> bool:
@@ -114,7 +122,7 @@ def make_plan(
 
     ``data``: what the data is (its kind, rows, packing). ``output_dir``: the run's folder; checkpoints go to
     ``<output_dir>/checkpoints`` unless ``training.checkpoint_dir`` says where. ``tokenizer``: the run's tokenizer
-    (a folder or hub name) every model's is compared with; None: the first student's, else the first teacher's.
+    (a folder or hub name) every model's is compared with; None: the plan decides (:func:`run_tokenizer`).
     ``evaluate``: the run evaluates its students against the teachers (the CLI's does). ``alone``: the one-line
     case, whose messages say "student" and "teacher" and whose records and checkpoint folder have the empty key.
     """
@@ -125,8 +133,10 @@ def make_plan(
     cards = _cards(teachers, problems)
     if len(cards) < len(teachers):
         _raise(problems)  # a student built from the teacher, every loss and config: all follow from the cards
-    lead = next(iter(cards.values()), None)
-    student_configs = {s.name: config for s in students if (config := _student_config(s, lead, problems)) is not None}
+    lead = lead_teacher(teachers)
+    lead_card = cards[lead.name] if lead is not None else None
+    student_configs = {s.name: config for s in students
+                       if (config := _student_config(s, lead_card, problems)) is not None}
     if len(cards) < len(teachers) or len(student_configs) < len(students):
         _raise(problems)  # the rest is sized by the models' configs
     problems += capability_problems(students, teachers, cards, training, combine)
@@ -152,6 +162,10 @@ def make_plan(
     training, notes = _derived_training(training, students, student_configs, cards, data, combine, output_dir,
                                         problems)
     problems += _position_problems(student_configs, cards, data)
+    problems += _sampler_problems(students, teachers, cards, student_configs, training, vocab_map)
+    if data.packing and combine == "route":
+        problems.append(chat.ROUTED_PACKING)
+    tokenizer = run_tokenizer(students, teachers, cards, tokenizer, across=vocab_map is not None)
     if vocab_map is None:
         problems += _tokenizer_problems(students, teachers, cards, tokenizer)
     try:
@@ -170,12 +184,21 @@ def make_plan(
     for spec in students:
         problems += vocabulary_problems(getattr(student_configs[spec.name], "vocab_size", None), teacher_vocab,
                                         spec.name)
+        if spec.peft is not None and spec.model is None and spec.init_from_teacher is None:
+            problems.append(f"students[{spec.name}].peft: LoRA adapters train on a frozen pretrained student, but "
+                            "this student is built with random weights (init): its frozen base would stay noise. "
+                            "Give model: a pretrained directory (or init_from_teacher), or drop peft to train every "
+                            "weight")
         if spec.peft is not None and spec.name in student_ds:
             try:
                 adapters[spec.name] = peft_student.check(spec.peft, zero_stage(student_ds[spec.name]))
                 peft_student.check_targets(adapters[spec.name], student_configs[spec.name])
             except (ImportError, TypeError, ValueError) as err:
                 problems.append(f"students[{spec.name}].peft: {err}")
+    if training.checkpoint_dir is not None:
+        problems += checkpoint.folder_problems(training.checkpoint_dir, _checkpoint_bytes(students, student_configs,
+                                                                                          training.dtype),
+                                               training.keep_checkpoints)
     _raise(problems)
     if evaluate and any(not card.dense for card in cards.values()):
         notes.append("evaluation reports each student's own perplexity only: top-k teachers have no full "
@@ -190,13 +213,56 @@ def make_plan(
     if paging is not None:
         notes.append(paging.describe())
     return Plan(list(students), list(teachers), training, cards, student_configs, losses, student_ds, teacher_ds,
-                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging, rewards)
+                teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging, rewards,
+                lead=lead.name if lead is not None else None, tokenizer=tokenizer)
+
+
+def lead_teacher(teachers: Sequence[TeacherSpec]) -> TeacherSpec | None:
+    """The teacher that stands for "the teacher" where one model is meant: the model a student's ``init`` and
+    ``init_from_teacher`` start from, the sampler of ``sampler: teacher``, the run's tokenizer unless one is given.
+    The first listed (None without a teacher)."""
+    return teachers[0] if teachers else None
+
+
+def run_tokenizer(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec], cards: Mapping[str, TeacherCard],
+                  tokenizer: str | Path | None = None, *, across: bool = False) -> str | None:
+    """The run's tokenizer (a folder or hub name): ``tokenizer`` when given; else the lead teacher's, as its card names
+    it (a model folder or hub name, a served teacher's ``options.tokenizer``, what a teacher of one's own puts in its
+    card); else, when the lead teacher is the student itself (a self-teacher) or there is no teacher, the first
+    student's model (never ``across`` tokenizers: the students' own is another). None when none is named: a store, a
+    server or a teacher of one's own whose card names none (the CLI, which reads its data with it, refuses the run)."""
+    if tokenizer is not None:
+        return str(tokenizer)
+    lead = lead_teacher(teachers)
+    card = cards.get(lead.name) if lead is not None else None
+    if card is not None and card.tokenizer:
+        return card.tokenizer
+    if across or (card is not None and not card.is_student):
+        return None
+    return next((str(s.model) for s in students if isinstance(s.model, str | Path)), None)
+
+
+def listed(message: str) -> list[str]:
+    """A message of several problems (a line ending ``problems:``, then a ``  - `` line each) as its problems; a
+    problem that lists its own (``DeepSpeed config problems:``) gives its items, without its heading."""
+    head, *items = message.split("\n  - ")
+    if not (items and head.endswith("problems:")):
+        return [message]
+    return [item for item in items if not item.endswith("problems:")]
 
 
 def _raise(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+
+
+def teacher_cards(teachers: Sequence[TeacherSpec]) -> dict[str, TeacherCard]:
+    """Each teacher's card, by name; one ``ConfigError`` naming every teacher that has none."""
+    problems: list[str] = []
+    cards = _cards(teachers, problems)
+    _raise(problems)
+    return cards
 
 
 def _cards(teachers: Sequence[TeacherSpec], problems: list[str]) -> dict[str, TeacherCard]:
@@ -284,10 +350,11 @@ def capability_problems(students: Sequence[StudentSpec], teachers: Sequence[Teac
                         f"targets ({', '.join(cards[n].kind for n in sparse)}): use combine: sum, or teachers that "
                         "run in-process (kind: engine)")
     on_policy = training.on_policy
-    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and teachers:
-        first = cards.get(teachers[0].name)
+    lead = lead_teacher(teachers)
+    if on_policy.fraction > 0 and on_policy.sampler == "teacher" and lead is not None:
+        first = cards.get(lead.name)
         if first is not None and not first.can_generate:
-            problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({teachers[0].name!r}, a "
+            problems.append(f"training.on_policy.sampler: teacher, and the first teacher ({lead.name!r}, a "
                             f"{first.kind} teacher) cannot generate: use sampler: student, or list a teacher that "
                             "runs in-process first")
     return problems
@@ -317,7 +384,7 @@ def _derived_training(training: TrainingConfig, students: Sequence[StudentSpec],
     notes = []
     on_policy = training.on_policy
     if on_policy.fraction > 0:
-        limits = {**{f"students[{n}]": positions(c) for n, c in student_configs.items()},
+        limits = {**{f"students[{n}]": models.positions(c) for n, c in student_configs.items()},
                   **{f"teachers[{n}]": card.positions for n, card in cards.items()}}
         limits = {name: limit for name, limit in limits.items() if limit is not None}
         fewest = min(limits.values(), default=None)
@@ -358,28 +425,84 @@ def _position_problems(student_configs: Mapping[str, Any], cards: Mapping[str, T
         return []
     teacher_rows = (("teacher_block_size", data.teacher_block_size) if data.teacher_block_size is not None
                     else ("data.block_size", data.block_size))
-    rows = [(f"students[{n}]", positions(c), ("data.block_size", data.block_size)) for n, c in student_configs.items()]
+    rows = [(f"students[{n}]", models.positions(c), ("data.block_size", data.block_size))
+            for n, c in student_configs.items()]
     rows += [(f"teachers[{n}]", card.positions, teacher_rows) for n, card in cards.items()]
     return [f"{key}: {size} tokens per row, but {name} reads at most {limit} positions (max_position_embeddings "
             f"in its config): set {key} to {limit} or less"
             for name, limit, (key, size) in rows if limit is not None and size > limit]
 
 
+def _sampler_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                      cards: Mapping[str, TeacherCard], student_configs: Mapping[str, Any], training: TrainingConfig,
+                      vocab_map: Any) -> list[str]:
+    """On-policy sampling: the sampling teacher takes part in the loss, the sampling model has an end token (samples
+    must end), and that token and the pad token are ids of every vocabulary of the run."""
+    on_policy = training.on_policy
+    if on_policy.fraction == 0 or len(students) != 1:  # several sampling students: check_shape's refusal
+        return []
+    problems = []
+    student, lead = students[0], lead_teacher(teachers)
+    if on_policy.sampler == "teacher" and lead is not None:
+        if lead.weight == 0:
+            problems.append(f"training.on_policy.sampler: teacher samples from the first teacher ({lead.name}), "
+                            "whose weight is 0: the student would learn from samples of a teacher its loss ignores. "
+                            "List a teacher with weight > 0 first")
+        source, eos = f"teachers[{lead.name}] ({cards[lead.name].source})", cards[lead.name].eos_token_id
+    else:
+        given = f" ({student.model})" if isinstance(student.model, str | Path) else ""
+        source = f"students[{student.name}]{given}"
+        eos = models.end_token(models.generation_config(student.model), student_configs[student.name])
+    eos_key = "training.on_policy.eos_token_id"
+    if on_policy.eos_token_id is not None:
+        eos = on_policy.eos_token_id
+    else:
+        eos_key = f"the end token of {source} (eos_token_id)"
+        if eos is None:
+            problems.append(f"training.on_policy: {source} has no end token (no eos_token_id in its config or "
+                            "generation config), so samples would never end; set training.on_policy.eos_token_id "
+                            "(e.g. the tokenizer's eos_token_id)")
+    sizes = [getattr(config, "vocab_size", None) for config in student_configs.values()]
+    sizes += [card.vocab_size for card in cards.values()] if vocab_map is None else []  # else: the teacher's own ids
+    vocab = min((size for size in sizes if size), default=None)
+    for key, value in ((eos_key, eos), ("training.on_policy.pad_token_id", on_policy.pad_token_id)):
+        if value is not None and vocab is not None and not 0 <= value < vocab:
+            problems.append(f"{key}: {value} is outside the vocabulary (ids 0..{vocab - 1} in every model of the "
+                            "run); give a token id of the tokenizer")
+    return problems
+
+
+def _checkpoint_bytes(students: Sequence[StudentSpec], student_configs: Mapping[str, Any], dtype: str) -> int | None:
+    """About what one checkpoint of every student takes (weights and optimizer states); None when a model's size
+    cannot be told."""
+    total = 0
+    for spec in students:
+        try:
+            parameters = (sum(p.numel() for p in spec.model.parameters()) if isinstance(spec.model, nn.Module)
+                          else models.parameter_count(student_configs[spec.name]))
+        except Exception:  # noqa: BLE001 - a config that builds no model is named by the checks that read it
+            return None
+        total += checkpoint.checkpoint_bytes(parameters, dtype)
+    return total
+
+
 def _tokenizer_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
                         cards: Mapping[str, TeacherCard], tokenizer: str | None) -> list[str]:
-    """Every student folder and teacher with a tokenizer has the run's vocabulary (logits are compared id by id)."""
+    """Every student folder and teacher with a tokenizer has the run's vocabulary (logits are compared id by id);
+    where the run's tokenizer cannot be read here (a hub name, or none), the first model folder that holds one stands
+    for it."""
     others = [(f"students[{s.name}].model", s.model) for s in students if models.has_tokenizer(s.model)]
-    others += [(f"teachers[{t.name}]", cards[t.name].tokenizer) for t in teachers if cards[t.name].tokenizer]
+    others += [(f"teachers[{t.name}]", cards[t.name].tokenizer) for t in teachers
+               if models.has_tokenizer(cards[t.name].tokenizer)]
     fingerprinted = [(f"teachers[{t.name}]", cards[t.name]) for t in teachers if not cards[t.name].tokenizer]
-    if tokenizer is None:  # Python: the first student's, else the first teacher's
-        if not others:
-            return []
+    if tokenizer is not None and models.has_tokenizer(tokenizer):
+        label, others = "the run", [(name, source) for name, source in others if str(source) != tokenizer]
+    elif others:
         (label, tokenizer), others = others[0], others[1:]
         label = "the student" if len(students) == 1 and label.startswith("students[") else label
-        return tokenizer_problems((label, tokenizer), others) + fingerprint_problems(fingerprinted, tokenizer, label)
-    return tokenizer_problems(("the run", tokenizer), [(label, source) for label, source in others
-                                                       if str(source) != str(tokenizer)]) + fingerprint_problems(
-        fingerprinted, tokenizer if models.has_tokenizer(tokenizer) else None)
+    else:
+        return []
+    return tokenizer_problems((label, tokenizer), others) + fingerprint_problems(fingerprinted, tokenizer, label)
 
 
 def _deepspeed_configs(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
