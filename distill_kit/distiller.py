@@ -27,18 +27,19 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import AutoTokenizer
 
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, specs
 from distill_kit.engines import distributed
 from distill_kit.engines.models import ModelSource, fresh_student, in_dtype
-from distill_kit.errors import ConfigError
+from distill_kit.errors import ConfigError, RewardFailed, StepFault, TeacherFault
 from distill_kit.teachers import TeacherSetup
 from distill_kit.teachers.combine import Combine
 from distill_kit.teachers.group import Teachers
@@ -188,7 +189,25 @@ class Distiller(Trainer):
             made = super().make_batches(batches)
         if self.rewarder is None:
             return made
-        return [self.rewarder(batch, f" of micro-batch {i} at step {self.step + 1}") for i, batch in enumerate(made)]
+        return self._agreed(lambda: [self.rewarder(batch, f" of micro-batch {i} at step {self.step + 1}")
+                                     for i, batch in enumerate(made)], RewardFailed)
+
+    def _agreed(self, work: Callable[[], Any], fault: type[StepFault]) -> Any:
+        """``work()``, and when it fails on any rank (a reward, a teacher server: a ``StepFault``), a failure on every
+        rank: one that skipped the step's collectives would leave the others waiting in them. One flag all-reduced
+        per call, with several ranks only."""
+        failure, result = None, None
+        try:
+            result = work()
+        except StepFault as err:
+            failure = err
+        if distributed.world_size() > 1:
+            failed = distributed.all_reduce_max(torch.tensor(int(failure is not None), device=self.device))
+            if int(failed) and failure is None:
+                raise fault("it failed on another rank, whose log names the cause")
+        if failure is not None:
+            raise failure
+        return result
 
     def teacher_inputs(self, batch: Batch) -> dict[str, Any]:
         """What every teacher is called with: the students' inputs, with hidden states or attention maps when any
@@ -243,7 +262,7 @@ class Distiller(Trainer):
         (mutual learning at the same weights). A non-finite loss makes DeepSpeed discard that student's update;
         the loop skips the step when every student discarded it (``nonfinite.py``).
         """
-        teacher_out = self.teacher_forward(batch) if self.needs_teacher else None
+        teacher_out = self._agreed(lambda: self.teacher_forward(batch), TeacherFault) if self.needs_teacher else None
         if self.needs_teacher and self.upcoming is not None:  # a server's answers, a paged teacher's weights
             self.teachers.prefetch(self.teacher_inputs(self.upcoming), route=self._route(self.upcoming))
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}

@@ -301,3 +301,10 @@ def test_a_distiller_module_that_fails_to_import_is_one_config_error(tmp_path, m
     config = run_config.load(None, ["distiller=broken_kd:Broken", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(run_config.ConfigError, match=r"distiller: cannot import 'broken_kd:Broken' \(SyntaxError"):
         cli.distiller_class(config)
+
+
+def test_a_run_a_signal_stopped_exits_with_its_own_status(monkeypatch):
+    """A run stopped by SIGTERM/SIGINT (its checkpoint saved, ``run`` returns None) is not finished: exit status
+    ``cli.STOPPED``, neither 0 (done) nor 1 (an error)."""
+    monkeypatch.setattr(cli, "run", lambda config, resume=False: None)
+    assert cli.main(["--training.max_steps", "1"]) == cli.STOPPED == 3

@@ -19,6 +19,20 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return {name: results[0] for name, results in rank_results.read(out, 1).items()}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("rewards_two")
+    run_ranks(WORKER, [str(out), "fails_on_one_rank"], nprocs=2)
+    return rank_results.read(out, 2)["fails_on_one_rank"]
+
+
+def test_a_reward_failing_on_one_rank_stops_every_rank_at_the_same_step(two_ranks):
+    assert [r["step"] for r in two_ranks] == [2, 2]
+    assert [r["error"] for r in two_ranks] == ["RewardFailed", "RewardFailed"]
+    assert "it failed on another rank" in two_ranks[0]["stopped_by"]
+    assert "reward 'ones' failed on the prompt" in two_ranks[1]["stopped_by"]
+
+
 def test_reward_weight_zero_is_todays_on_policy_run_bit_for_bit(runs):
     result = runs["weight_zero"]
     assert result["scored"]  # the samples were scored, and the term computed (weight 0)

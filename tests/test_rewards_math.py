@@ -233,3 +233,17 @@ def test_rewarder_scores_each_sample_and_normalises_each_group():
     with pytest.raises(RewardFailed, match=rf"reward 'broken' failed on the prompt '{re.escape(items[0].prompt)}' "
                                            r"\(row 0\).*KeyError.*--resume"):
         failing(batch)
+
+
+def test_the_report_says_per_seed_whether_the_teacher_helped():
+    from distill_kit.tasks.compare import teacher_helps
+
+    def seed(**accuracy):
+        return {"rows": [{"recipe": name, "exact_match": value} for name, value in accuracy.items()]}
+    per_seed = [seed(opd=0.5, fixed_advantage=0.1, grpo=0.2, opd_reward=0.6),
+                seed(opd=0.3, fixed_advantage=0.3, grpo=0.4, opd_reward=0.4),   # a tie with the control: no
+                seed(opd=0.7, fixed_advantage=0.0, grpo=0.1, opd_reward=0.65)]
+    verdicts = teacher_helps(per_seed)
+    assert verdicts["opd_over_fixed_advantage"] == {"per_seed": [True, False, True], "all": False}
+    assert verdicts["opd_reward_over_best_of_opd_grpo"] == {"per_seed": [True, True, False], "all": False}
+    assert teacher_helps([seed(opd=0.5, grpo=0.1)]) is None  # the recipes to compare did not all run

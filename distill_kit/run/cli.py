@@ -429,4 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary is not None and distributed.is_main():
         print(json.dumps(summary["students"] if "students" in summary else summary["rows"], indent=2))
     distributed.shutdown()  # a process group left to the interpreter's exit can abort it (exit code 134)
-    return 0
+    return 0 if summary is not None else STOPPED
+
+
+STOPPED = 3
+"""The exit status of a run a signal stopped (SIGTERM, SIGINT) after its checkpoint: not finished, so not 0, which a
+scheduler would read as done; not 1, an error's; ``--resume`` continues it."""

@@ -52,7 +52,7 @@ def ones(prompt: str, completion: str) -> float:
 def student_folder(out: Path) -> Path:
     """A 2-layer student of the teacher's shape and tokenizer, from seed 0, written once."""
     path = out / "student"
-    if not path.exists():
+    if distributed.is_main() and not path.exists():
         config = LlamaConfig.from_pretrained(TEACHER)
         config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 64, 128
         config.num_attention_heads = config.num_key_value_heads = 2
@@ -60,6 +60,7 @@ def student_folder(out: Path) -> Path:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         AutoTokenizer.from_pretrained(TEACHER).save_pretrained(path)
+    distributed.barrier()
     return path
 
 
@@ -219,6 +220,19 @@ def reward_fails(out: Path) -> None:
         "stopped_by": stopped, "step": step, "saved": saved, "resumed_to": again.step,
         "identical_params": all(torch.equal(a, b) for a, b in zip(gathered(whole.student_model),
                                                                   gathered(again.student_model), strict=True))})
+
+
+def fails_on_one_rank(out: Path) -> None:
+    """Two ranks; the reward raises on rank 1 only, at step 3: both ranks stop there (rank 0 told by the agreed flag,
+    not left waiting in the step's collectives), after step 2's checkpoint."""
+    training = replace(TRAINING, max_steps=4, save_every=1, checkpoint_dir=str(out / "one_rank_fails"))
+    CALLS[0] = 0
+    FAIL_AT[:] = [2 * GAS * PROMPTS * GROUP + 1] if distributed.rank() == 1 else []
+    run = distiller(out, {"name": "policy_gradient", "teacher": 1.0, "reward": 1.0}, training)
+    run.train(prompt_batches(4 * GAS, PROMPTS, seed=5 + distributed.rank()))
+    FAIL_AT.clear()
+    write(out, "fails_on_one_rank", {"stopped_by": run.stopped_by, "step": run.step,
+                                     "error": type(run.stop_error).__name__})
 
 
 def main() -> None:
