@@ -138,7 +138,7 @@ def _cli_decides(args: list[str], monkeypatch) -> tuple[str | None, str] | str:
         seen["plan"] = validate(*given, **kwargs)
         return seen["plan"]
 
-    def data_phase(config, data, tokenizer_source):
+    def data_phase(config, data, tokenizer_source, rewards=()):
         seen["tokenizer"] = tokenizer_source
         raise _Stop
 
