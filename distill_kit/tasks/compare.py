@@ -189,7 +189,8 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         training = dataclasses.replace(config.training, max_steps=steps, checkpoint_dir=None,
                                        on_policy=on_policy or OnPolicyConfig())
         if name in REWARD_RECIPES:
-            training = dataclasses.replace(training, rewards=RewardsConfig(functions=(RewardSpec(name=task.name),)))
+            training = dataclasses.replace(training, lr=task.policy_lr,
+                                           rewards=RewardsConfig(functions=(RewardSpec(name=task.name),)))
         teachers = {"teachers": [SELF_TEACHER]} if name == "self_distill" else {"teacher": config.teacher}
         distiller = Distiller(start, **teachers, loss=loss, training=training, tokenizer=config.tokenizer or
                               config.teacher, deepspeed=run_config.deepspeed_settings(config),
