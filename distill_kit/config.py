@@ -504,6 +504,9 @@ class TaskConfig:
     from sampled advantages, noisy where a divergence's gradient is not, and at the SFT recipes' 3e-3 Adam's
     normalised steps wrecked the warm start within ten steps (sorting: reward 0.80 to 0.0; at 3e-4 and 3e-5 it
     held: benchmarks/results/rewards.md). RL fine-tuning runs a smaller lr than SFT for the same reason."""
+    reward_weight: float = 1.0
+    """The reward advantage's weight in opd_reward (its teacher's is 1): the sequence's group-normalised reward, the
+    same at every token, against the teacher's per-token advantage (docs/rewards.md#the-objective)."""
     samples_per_prompt: int = 4
     """G of the reward recipes (grpo, opd, opd_reward, fixed_advantage): samples of each prompt per group;
     training.micro_batch_size counts the samples, so every on-policy recipe samples as many rows per step."""
@@ -524,6 +527,8 @@ class TaskConfig:
                              "[0] for one quick run)")
         for i, seed in enumerate(self.seeds):
             check_seed(seed, f"task.seeds[{i}]")
+        if not (self.reward_weight >= 0 and math.isfinite(self.reward_weight)):
+            raise ValueError(f"task.reward_weight: {self.reward_weight}; give a finite number >= 0")
         if not self.policy_lr > 0:
             raise ValueError(f"task.policy_lr: {self.policy_lr} is not a learning rate; give a number > 0")
         if self.samples_per_prompt < 1:

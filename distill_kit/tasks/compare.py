@@ -247,7 +247,7 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         "mixed": lambda: ("reverse_kl", "mixed", dataclasses.replace(on_policy, fraction=0.5), 0),
         "self_distill": lambda: ("forward_kl", "labelled_privileged", on_policy, warm),
     } | {name: (lambda weights=weights: ({"name": "policy_gradient", **weights}, "prompt_groups", grouped, warm))
-         for name, weights in REWARD_RECIPES.items()}
+         for name, weights in policy_weights(task).items()}
     rows: list[dict[str, Any]] = []
     warm_start: tuple[str, float] | None = None
     for name in task.recipes:
@@ -277,6 +277,12 @@ def run_seed(config: RunConfig, prepare_student: Callable[..., StudentSpec], tok
         rows.append(score(name, distiller, seconds + time.perf_counter() - started))
         distiller.student_model.save_pretrained(out / "students" / name)  # to read its answers afterwards
     return rows
+
+
+def policy_weights(task: Any) -> dict[str, dict[str, float]]:
+    """Each reward recipe's ``policy_gradient`` weights: :data:`REWARD_RECIPES`, opd_reward's reward at
+    ``task.reward_weight``."""
+    return REWARD_RECIPES | {"opd_reward": REWARD_RECIPES["opd_reward"] | {"reward": task.reward_weight}}
 
 
 def score_with_harness(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
