@@ -142,16 +142,15 @@ class Distiller(Trainer):
         self.sampler = (Sampler(on_policy, lambda: only.model) if on_policy.sampler == "student" else
                         Sampler(on_policy, lambda: getattr(self.teacher, "module", self.teacher),
                                 synced=distributed.world_size() > 1))
-        self.rewarder = self._rewarder(tokenizer)
+        self.rewarder = self._rewarder()
         """Scores the student's samples with ``training.rewards`` (``training/rewarding.py``); None without rewards."""
 
-    def _rewarder(self, tokenizer: str | None) -> Rewarder | None:
-        """The run's rewards on its samples, decoded by the run's tokenizer (default: the first student's folder,
-        else the first teacher's)."""
+    def _rewarder(self) -> Rewarder | None:
+        """The run's rewards on its samples, decoded by the run's tokenizer as the plan decided it
+        (``plan.run_tokenizer``)."""
         if not self.plan.rewards:
             return None
-        source = tokenizer or next((s.model for s in self.plan.students if isinstance(s.model, str | Path)),
-                                   next((t.model for t in self.plan.teachers if isinstance(t.model, str | Path)), None))
+        source = self.plan.tokenizer
         if source is None:
             raise ConfigError("training.rewards read the samples as text, and no model of this run names a tokenizer: "
                               "pass tokenizer= (a folder or hub name)")

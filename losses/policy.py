@@ -114,7 +114,7 @@ class PolicyGradient(LogitLoss):
                           {"teacher_weight": self.teacher_weight, "fixed": self.fixed, "clip_low": self.clip_low,
                            "clip_high": self.clip_high}, targets[1])
         loss = logit_loss_sum(student, rows, chunk, self.chunk_size) / divisor
-        return LossOutput(loss, {self.name: loss.detach()} | self.figures(student, targets, rows, labels, batch))
+        return LossOutput(loss, {self.name: loss.detach()} | self.figures(student, targets, mask, labels, batch))
 
     def _teacher_rows(self, teacher: Any) -> tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
         """The teacher's flat per-row targets (logits, or hidden states with the head as shared tensors); None when
@@ -134,11 +134,12 @@ class PolicyGradient(LogitLoss):
         return targets.reshape(-1, targets.shape[-1]).detach(), (None, None)
 
     @torch.no_grad()
-    def figures(self, student: Any, targets: tuple[Any, tuple], rows: torch.Tensor, labels: torch.Tensor,
+    def figures(self, student: Any, targets: tuple[Any, tuple], mask: torch.Tensor, labels: torch.Tensor,
                 batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """What a user watches in a run with rewards, per micro-batch (the loop averages them over the step): the
         student's entropy and the teacher's advantage over the sampled tokens (a pass without gradients each), and
         the rewards' mean, spread, share of groups without signal and the samples' length."""
+        rows = mask.reshape(-1).nonzero().squeeze(1)
         count = rows.numel() or 1
         out = {"entropy": logit_loss_sum(student, rows, ChunkLoss(entropy_rows, ()), self.chunk_size) / count}
         if targets[0] is not None:
@@ -148,7 +149,7 @@ class PolicyGradient(LogitLoss):
             rewards = batch["rewards"].float()
             out |= {"reward_mean": rewards.mean(), "reward_std": rewards.std(unbiased=False),
                     "no_signal": batch["no_signal"].float().mean()}
-        out["sample_length"] = valid_positions(batch).sum(dim=1).float().mean()
+        out["sample_length"] = mask.sum(dim=1).float().mean()
         return {k: v.detach().float() for k, v in out.items()}
 
 
@@ -157,8 +158,12 @@ def _teacher_log_probs(teacher: torch.Tensor, labels: torch.Tensor, weight: torc
     """``(c,)`` the teacher's log-probability of each label: its logits given, or made from its hidden states by its
     head (in the teacher's dtype, as the head computes them), cut to the student's vocabulary."""
     logits = teacher if weight is None else F.linear(teacher, weight, bias)
-    log_p = F.log_softmax(logits[:, :vocab].to(dtype), dim=-1)
-    return log_p.gather(-1, labels[:, None]).squeeze(1)
+    return _log_probs(logits[:, :vocab].to(dtype), labels)
+
+
+def _log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``(c,)`` log-probability of each row's label under ``(c, V)`` logits."""
+    return F.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(1)
 
 
 def policy_rows(student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, advantages: torch.Tensor,
@@ -168,7 +173,7 @@ def policy_rows(student: torch.Tensor, teacher: torch.Tensor | None, labels: tor
     """One chunk: student ``(c, V)`` float32 logits, the teacher's ``(c, Vt)`` logits or ``(c, H)`` hidden states
     (or None), labels, each token's reward advantage, weight and sampling-time log-probability ``(c,)`` ->
     ``(c,)`` weighted surrogate."""
-    log_p = F.log_softmax(student, dim=-1).gather(-1, labels[:, None]).squeeze(1)
+    log_p = _log_probs(student, labels)
     advantage = advantages + fixed
     if teacher is not None:
         teacher_log_p = _teacher_log_probs(teacher, labels, head_weight, head_bias, student.shape[-1], student.dtype)
@@ -185,6 +190,6 @@ def entropy_rows(student: torch.Tensor) -> torch.Tensor:
 def advantage_rows(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
                    head_weight: torch.Tensor | None = None, head_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``(c,)`` the teacher's advantage at each sampled token, ``log p_T - log p_S``."""
-    log_p = F.log_softmax(student, dim=-1).gather(-1, labels[:, None]).squeeze(1)
+    log_p = _log_probs(student, labels)
     teacher_log_p = _teacher_log_probs(teacher, labels, head_weight, head_bias, student.shape[-1], student.dtype)
     return functional.teacher_advantage(teacher_log_p, log_p)

@@ -131,8 +131,7 @@ class Trainer:
                     step_batches = self.make_batches([self._next(micro_batches)
                                                       for _ in range(self.training.gradient_accumulation_steps)])
                     self.micro_batches_seen += len(step_batches)
-                    normalizer = loss_normalizer(step_batches, self.device)
-                    sequences = sequence_normalizer(step_batches, self.device)
+                    normalizer, sequences = step_normalizers(step_batches, self.device)
                     started = time.perf_counter()
                     # The lr this step uses: read before the engines step, which moves each to the next step's.
                     lrs = {_key(name, "lr"): engine.get_lr()[0] for name, engine in engines.items()}
@@ -347,25 +346,21 @@ class Trainer:
         return stream
 
 
-def loss_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Tensor:
-    """Valid tokens of the whole step (all micro-batches, all ranks) per micro-batch per rank.
+def step_normalizers(step_batches: list[Batch], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid tokens, and rows with a valid token, of the whole step (all micro-batches, all ranks) per micro-batch
+    per rank; one all-reduce for both.
 
-    DeepSpeed averages gradients over micro-batches and ranks; dividing each micro-batch's token sum by this
+    DeepSpeed averages gradients over micro-batches and ranks; dividing each micro-batch's token sum by the first
     makes the result the exact per-token mean over the step, so neither micro-batch size nor accumulation
-    changes the loss (see ``losses/base.py``). Every model of a group divides by the same one.
+    changes the loss (see ``losses/base.py``). Every model of a group divides by the same one. The second is the
+    same for a loss averaged per sequence (``policy_gradient`` with ``level: sequence``): it divides its sum of
+    per-row means by it.
     """
-    local = sum(valid_positions(batch).sum() for batch in step_batches)
-    total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
-    return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
-
-
-def sequence_normalizer(step_batches: list[Batch], device: torch.device) -> torch.Tensor:
-    """Rows with a counted token in the whole step (all micro-batches, all ranks) per micro-batch per rank: what a
-    loss averaged per sequence (``policy_gradient`` with ``level: sequence``) divides its sum of per-row means by,
-    as :func:`loss_normalizer` is for a per-token mean."""
-    local = sum(valid_positions(batch).any(dim=1).sum() for batch in step_batches)
-    total = distributed.all_reduce_sum(torch.as_tensor(local, device=device, dtype=torch.float32))
-    return total.clamp(min=1) / (len(step_batches) * distributed.world_size())
+    valid = [valid_positions(batch) for batch in step_batches]
+    local = torch.stack([sum(v.sum() for v in valid), sum(v.any(dim=1).sum() for v in valid)])
+    total = distributed.all_reduce_sum(local.to(device=device, dtype=torch.float32))
+    tokens, rows = total.clamp(min=1) / (len(step_batches) * distributed.world_size())
+    return tokens, rows
 
 
 def _evaluates_at(step: int, every: int, last: int) -> bool:

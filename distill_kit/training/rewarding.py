@@ -23,6 +23,7 @@ import torch
 from distill_kit.config import RewardsConfig
 from distill_kit.errors import ConfigError, RewardFailed
 from distill_kit.rewards import RewardFunction, resolve
+from distill_kit.training.on_policy import prompt_of
 from losses.base import IGNORE_INDEX
 from losses.functional import group_advantages
 from losses.policy import PolicyGradient
@@ -47,9 +48,7 @@ class Rewarder:
                               "the chat splits with keep_fields=True (data.chat.build_splits; the CLI does it)")
         scores = []
         for row in range(ids.shape[0]):
-            answered = (labels[row] != IGNORE_INDEX).nonzero()
-            start = int(answered[0]) if len(answered) else int(batch["attention_mask"][row].sum())
-            prompt_ids, sample_ids = ids[row, :start].tolist(), labels[row][labels[row] != IGNORE_INDEX].tolist()
+            prompt_ids, sample_ids = prompt_of(batch, row).tolist(), labels[row][labels[row] != IGNORE_INDEX].tolist()
             teacher = self.teachers[int(batch["teacher_id"][row])] if "teacher_id" in batch else None
             record = batch["records"][row] if "records" in batch else None
             scores.append(self.score(prompt_ids, sample_ids, teacher, record, f"row {row}{where}"))
