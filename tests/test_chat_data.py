@@ -386,11 +386,17 @@ def _assistant_perplexity(model_dir: Path, heldout: Path) -> float:
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [0, 2])
 def test_cli_trains_on_chat_data(tiny_chat, tmp_path, ranks):
-    """1 rank (python) and 2 ranks (deepspeed): the run trains, and its held-out perplexity is over assistant tokens
-    only, padded batches included (an exported student reproduces it conversation by conversation)."""
+    """1 rank (python) and 2 ranks (the deepspeed launcher): the run trains, and its held-out perplexity is over
+    assistant tokens only, padded batches included (an exported student reproduces it conversation by conversation).
+    The 2 ranks also run research code's Distiller subclass, by import path: the CLI runs it with everything else
+    unchanged, and every rank exits 0 with its process group destroyed."""
     out = tmp_path / "run"
     if ranks:
-        done = run_ranks(ROOT / "tests/workers/cli_run.py", _chat_args(tiny_chat, out), nprocs=2, launcher="deepspeed")
+        done = run_ranks(ROOT / "tests/workers/cli_run.py", [
+            *_chat_args(tiny_chat, out), "distiller=tests.user_distillers:MarkedDistiller"], nprocs=2,
+            launcher="deepspeed")
+        assert done.stdout.count("process group destroyed before exit") == 2
+        assert all(r["distilled/subclass"] == 1.0 for r in _jsonl(out / "train.jsonl"))  # the subclass's hook ran
     else:
         done = run_ranks(SCRIPT, _chat_args(tiny_chat, out), nprocs=0)
     assert "chat data train: 41 records, 1 prompts without an answer" in done.stdout + done.stderr
