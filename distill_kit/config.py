@@ -131,6 +131,12 @@ class OnPolicyConfig:
     gives is repeated G times before sampling (its G copies side by side), so a micro-batch of P prompts trains on
     P x G rows: ``micro_batch_size`` counts those rows, and the CLI reads micro_batch_size / G prompts per
     micro-batch. Rewards are normalised within each group (training.rewards). Needs fraction 1."""
+    updates_per_rollout: int = 1
+    """Optimizer steps on each step's samples (PPO's epochs; TRL's GRPO ``num_iterations``, the GRPO paper's mu).
+    1: fresh samples every step. N > 1: the samples (and their rewards) made at one step are trained on again at
+    the N - 1 steps after it, which sample nothing and read no data, so sampling costs 1/N of the steps. From the
+    second step on they are stale (drawn from older weights): ``policy_gradient`` weighs each token by the ratio of
+    its probability now to when it was sampled, clipped to [1 - clip_low, 1 + clip_high] (docs/rewards.md)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -145,17 +151,23 @@ class OnPolicyConfig:
             "max_length": self.max_length >= 0,
             "pack_to": self.pack_to >= 0,
             "samples_per_prompt": self.samples_per_prompt >= 1,
+            "updates_per_rollout": self.updates_per_rollout >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             values = ", ".join(f"on_policy.{name}={getattr(self, name)!r}" for name in bad)
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
                              "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
-                             "generation_batch_size >= 0, max_length >= 0, pack_to >= 0, samples_per_prompt >= 1)")
+                             "generation_batch_size >= 0, max_length >= 0, pack_to >= 0, samples_per_prompt >= 1, "
+                             "updates_per_rollout >= 1)")
         if self.samples_per_prompt > 1 and self.fraction != 1.0:
             raise ValueError(f"on_policy.samples_per_prompt={self.samples_per_prompt} samples each prompt of a row "
                              f"several times, and on_policy.fraction={self.fraction} leaves some rows unsampled: set "
                              "fraction: 1.0 (every row a prompt to answer) or samples_per_prompt: 1")
+        if self.updates_per_rollout > 1 and self.fraction == 0:
+            raise ValueError(f"on_policy.updates_per_rollout={self.updates_per_rollout} trains on each step's samples "
+                             "again, and on_policy.fraction=0 samples nothing: set fraction > 0 (1.0 with rewards), "
+                             "or updates_per_rollout: 1")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from distill_kit.training.plan import DataFacts, Plan, make_plan
 from distill_kit.training.rewarding import Rewarder
 from distill_kit.training.student import Student
 from losses import DistillationLoss, LossOutput
+from losses.policy import sampled_log_probs
 
 logger = logging.getLogger("distill_kit")
 
@@ -186,10 +187,36 @@ class Distiller(Trainer):
             made = self.sampler.many(batches)
         else:
             made = super().make_batches(batches)
-        if self.rewarder is None:
-            return made
-        return self._agreed(lambda: [self.rewarder(batch, f" of micro-batch {i} at step {self.step + 1}")
-                                     for i, batch in enumerate(made)], RewardFailed)
+        if self.rewarder is not None:
+            made = self._agreed(lambda: [self.rewarder(batch, f" of micro-batch {i} at step {self.step + 1}")
+                                         for i, batch in enumerate(made)], RewardFailed)
+        if self.updates_per_rollout > 1 and self.training.on_policy.sampler == "student":
+            made = [batch | {"sampling_log_probs": self._log_probs_now(batch)} for batch in made]
+        return made
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """``training.on_policy.updates_per_rollout``: each step's samples trained on at that many steps."""
+        return self.training.on_policy.updates_per_rollout
+
+    def stale_batches(self, batches: list[Batch]) -> list[Batch]:
+        """A rollout's micro-batches at the steps after the one that sampled them: each token's log-probability
+        when sampled becomes ``old_log_probs``, which ``policy_gradient``'s clipped ratio reads. The sampling step
+        itself passes none (its ratio is exactly 1), so it trains as a run with ``updates_per_rollout: 1`` does."""
+        return [batch | {"old_log_probs": batch["sampling_log_probs"]} if "sampling_log_probs" in batch else batch
+                for batch in batches]
+
+    def _log_probs_now(self, batch: Batch) -> torch.Tensor:
+        """``(B, T)`` the student's log-probability of each next label, at the weights that just sampled the batch
+        (eval mode, as the sampler ran; no gradients); 0 where no label counts."""
+        student = self.only_student
+        was_training = student.engine.training
+        student.engine.eval()
+        try:
+            with torch.no_grad():
+                return sampled_log_probs(student.forward(batch), batch)
+        finally:
+            student.engine.train(was_training)
 
     def _agreed(self, work: Callable[[], Any], fault: type[StepFault]) -> Any:
         """``work()``, and when it fails on any rank (a reward, a teacher server: a ``StepFault``), a failure on every

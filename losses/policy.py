@@ -153,6 +153,27 @@ class PolicyGradient(LogitLoss):
         return {k: v.detach().float() for k, v in out.items()}
 
 
+@torch.no_grad()
+def sampled_log_probs(student: Any, batch: Mapping[str, Any], chunk_size: int = 1024) -> torch.Tensor:
+    """``(B, T)``: the student's log-probability of each next label (``next_token_labels``), in the loss's compute
+    dtype, 0 where none counts; from its logits, or from its hidden states and head (``HeadOutput``) a chunk of
+    positions at a time, so the full logits never exist. What a rollout records for its stale steps
+    (``old_log_probs``)."""
+    mask = valid_positions(batch)
+    labels = next_token_labels(batch).reshape(-1)
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    if isinstance(student, HeadOutput) and student._logits is None:
+        flat, head = student.hidden.reshape(-1, student.hidden.shape[-1]), student.head
+    else:
+        flat, head = student.logits.reshape(-1, student.logits.shape[-1]), None
+    out = torch.zeros(mask.numel(), dtype=functional.compute_dtype(flat.dtype), device=mask.device)
+    for start in range(0, rows.numel(), chunk_size):
+        chunk = rows[start:start + chunk_size]
+        logits = flat[chunk] if head is None else head(flat[chunk])
+        out[chunk] = _log_probs(logits.to(out.dtype), labels[chunk])
+    return out.reshape(mask.shape)
+
+
 def _teacher_log_probs(teacher: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None,
                        bias: torch.Tensor | None, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """``(c,)`` the teacher's log-probability of each label: its logits given, or made from its hidden states by its

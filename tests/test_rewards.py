@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("rewards")
-    run_ranks(WORKER, [str(out), "weight_zero,grpo,resume,reward_fails"], nprocs=0)
+    run_ranks(WORKER, [str(out), "weight_zero,grpo,stale,resume,reward_fails"], nprocs=0)
     return {name: results[0] for name, results in rank_results.read(out, 1).items()}
 
 
@@ -63,3 +63,14 @@ def test_a_failing_reward_stops_after_a_checkpoint_and_resume_loses_nothing(runs
     assert "row " in result["stopped_by"] and "at step 3" in result["stopped_by"]
     assert result["step"] == 2 and result["saved"][-1] == "step_00000002"
     assert result["resumed_to"] == 4 and result["identical_params"]
+
+
+def test_stale_samples_train_as_plain_pytorch_clips_them_and_resume_inside_a_rollout_is_exact(runs):
+    """updates_per_rollout 2: two rollouts sampled for three steps, the second step on the first step's samples
+    with PPO's clipped ratio, as the plain-PyTorch loop computes it (float32 rounding bound: tests/tolerances.py);
+    stopped between the rollout's two steps and resumed, the run is the uninterrupted one bit for bit."""
+    result = runs["stale"]
+    assert_float32_equivalent(result)
+    assert result["rollouts_sampled"] == 2
+    assert result["reward_means"][0] == result["reward_means"][1] != result["reward_means"][2]
+    assert result["resumed_identical"] and result["resumed_history"]

@@ -66,6 +66,10 @@ def test_a_run_scores_its_samples_with_a_reward_that_reads_each_records_field(da
     (["training.on_policy.fraction=0.0", "training.on_policy.samples_per_prompt=1", *REWARD],
      "training.rewards score the student's own samples, and this run has none"),
     ([], "policy_gradient has reward: 1.0, and the run has no rewards"),
+    (["training.on_policy.fraction=0.0", "training.on_policy.samples_per_prompt=1",
+      "training.on_policy.updates_per_rollout=2"], "updates_per_rollout=2 trains on each step's samples again, and "
+     "on_policy.fraction=0 samples nothing"),
+    (["training.on_policy.updates_per_rollout=0", *REWARD], "on_policy.updates_per_rollout=0"),
 ])
 def test_bad_reward_settings_are_refused_before_any_write(data, tmp_path, extra, message):
     out = tmp_path / "run"

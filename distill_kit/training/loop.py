@@ -66,6 +66,7 @@ class Trainer:
         self._data: tuple[Iterable[Batch], Iterator[Batch]] | None = None  # the data train() reads, and where
         self._resumed_position: dict[str, Any] | None = None  # a checkpoint's data position, for the next train()
         self._saved_at: tuple[int, int] | None = None
+        self._rollout: tuple[int, list[Batch]] | None = None  # the step a rollout was made at, and its micro-batches
 
     # ---- what a trainer supplies -------------------------------------------------------------------------
 
@@ -86,6 +87,18 @@ class Trainer:
         """A step's micro-batches as trained on: each through ``make_batch`` (on-policy sampling may sample the
         whole step's rows together instead: ``on_policy.py``, ``generation_batch_size``)."""
         return [self.make_batch(batch) for batch in batches]
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps each step's made micro-batches are trained on: 1 (the default), a fresh batch every step;
+        N > 1, a rollout made at one step and trained on again at the N - 1 steps after it, which read no data
+        (``on_policy.updates_per_rollout``: PPO's epochs over its samples)."""
+        return 1
+
+    def stale_batches(self, batches: list[Batch]) -> list[Batch]:
+        """A rollout's micro-batches as trained on again, at a step after the one that made them: as they were by
+        default (the Distiller adds the sampling-time log-probabilities its clipped surrogate reads)."""
+        return batches
 
     @property
     def reads_ahead(self) -> bool:
@@ -127,10 +140,14 @@ class Trainer:
             while self.step < until:
                 before = self._position()  # where a step the teacher or a reward could not finish starts again
                 sums: dict[str, torch.Tensor] = {}
+                stale = self._rollout is not None and self.step - self._rollout[0] < self.updates_per_rollout
                 try:
-                    step_batches = self.make_batches([self._next(micro_batches)
-                                                      for _ in range(self.training.gradient_accumulation_steps)])
-                    self.micro_batches_seen += len(step_batches)
+                    if stale:  # the rollout made a few steps ago, trained on again: no data read
+                        step_batches = self.stale_batches(self._rollout[1])
+                    else:
+                        step_batches = self.make_batches([self._next(micro_batches)
+                                                          for _ in range(self.training.gradient_accumulation_steps)])
+                        self.micro_batches_seen += len(step_batches)
                     normalizer, sequences = step_normalizers(step_batches, self.device)
                     started = time.perf_counter()
                     # The lr this step uses: read before the engines step, which moves each to the next step's.
@@ -149,6 +166,8 @@ class Trainer:
                     self._restore_position(before)  # this step never happened: its checkpoint is the last whole one
                     self.stopped_by, self.stop_error = f"{err.what} ({err})", err
                     break
+                if not stale and self.updates_per_rollout > 1:
+                    self._rollout = (self.step, step_batches)
                 means = distributed.all_reduce_sum(torch.stack(list(sums.values()))) / distributed.world_size()
                 record = dict(zip(sums, means.tolist(), strict=True)) | lrs
                 applied = self.nonfinite.all_or_none(
@@ -208,7 +227,7 @@ class Trainer:
             directory, self._checkpointed_engines(), step=self.step,
             trainer_state={"step": self.step, "history": self.history, "nonfinite": self.nonfinite.state_dict(),
                            "evaluations": self.evaluations},
-            rank_state={"rng": rng, "micro_batches_seen": seen, "loader": loader_state},
+            rank_state={"rng": rng, "micro_batches_seen": seen, "loader": loader_state, "rollout": self._rollout},
             teacher_sha256=self.teacher_sha256, keep_last=self.training.keep_checkpoints,
         )
         checkpoint.restore_rng(rng)
@@ -271,6 +290,8 @@ class Trainer:
         self.micro_batches_seen = rank_state["micro_batches_seen"]
         self._resumed_position = {"micro_batches_seen": self.micro_batches_seen, "loader": rank_state["loader"]}
         self._data, self._ahead = None, None
+        rollout = rank_state.get("rollout")  # [step, micro-batches] of a run stopped inside a rollout
+        self._rollout = None if rollout is None else (rollout[0], [self._to_device(b) for b in rollout[1]])
         checkpoint.restore_rng(rank_state["rng"])
         self._saved_at = (self.step, self.micro_batches_seen)
         if distributed.is_main():

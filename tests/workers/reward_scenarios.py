@@ -120,18 +120,26 @@ def weight_zero(out: Path) -> None:
         "scored": all("rewards" in b for b in made)})
 
 
-def plain_grpo(student_dir: Path, made: list[dict], dtype: torch.dtype) -> list[torch.Tensor]:
-    """GRPO written out in plain PyTorch over the micro-batches the engine trained on (their samples): each sample's
-    reward recomputed from its decoded text, each group's advantage (r - mean) / (std + 1e-4), the surrogate -A r
-    (r = p / p held constant) summed over every sampled token of the step and divided by their count; AdamW, the
-    global norm clipped, as the engine's optimizer step."""
+def plain_grpo(student_dir: Path, made: list[dict], dtype: torch.dtype, reuse: int = 1,
+               training: TrainingConfig = TRAINING) -> list[torch.Tensor]:
+    """GRPO written out in plain PyTorch over the micro-batches the engine sampled: each sample's reward recomputed
+    from its decoded text, each group's advantage (r - mean) / (std + 1e-4), the surrogate
+    -min(r A, clip(r, 0.8, 1.2) A) summed over every sampled token of the step and divided by their count; AdamW,
+    the global norm clipped, as the engine's optimizer step. Each rollout (a step's micro-batches) is trained on at
+    ``reuse`` steps: at the first r = p / p held constant (1), at the others r = p / p_old, p_old the probability
+    at the first step's weights, before its update."""
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=dtype)
-    opt = plain_adamw(student.parameters(), TRAINING)
+    opt = plain_adamw(student.parameters(), training)
+    old: list[torch.Tensor] = []
     for s in range(STEPS):
-        step = made[s * GAS:(s + 1) * GAS]
+        rollout = s // reuse
+        step = made[rollout * GAS:(rollout + 1) * GAS]
+        fresh = s % reuse == 0
+        if fresh:
+            old = []
         total, tokens = 0.0, 0
-        for b in step:
+        for i, b in enumerate(step):
             rewards = []
             for row in range(b["input_ids"].shape[0]):
                 sample = b["labels"][row][b["labels"][row] != -100].tolist()
@@ -146,7 +154,11 @@ def plain_grpo(student_dir: Path, made: list[dict], dtype: torch.dtype) -> list[
             labels = b["labels"][:, 1:]
             valid = labels != -100
             log_p = F.log_softmax(logits.to(dtype), -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-            per_token = -torch.tensor(advantages, dtype=dtype)[:, None] * torch.exp(log_p - log_p.detach())
+            if fresh:
+                old.append(log_p.detach())
+            ratio = torch.exp(log_p - (log_p.detach() if fresh else old[i]))
+            advantage = torch.tensor(advantages, dtype=dtype)[:, None]
+            per_token = -torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
             total, tokens = total + (per_token * valid).sum(), tokens + int(valid.sum())
         opt.zero_grad()
         (total / tokens).backward()
@@ -172,6 +184,40 @@ def grpo(out: Path) -> None:
         "prompts_per_group": [int((b["input_ids"][:, :7].reshape(-1, GROUP, 7) == b["input_ids"][::GROUP, None, :7])
                                   .all().item()) for b in run.made],
         "record_keys": sorted(history[-1])})
+
+
+def stale(out: Path) -> None:
+    """``updates_per_rollout: 2`` (plain GRPO): step 1 samples, step 2 trains on step 1's samples again (stale:
+    the clipped ratio against their sampling-time probabilities), step 3 samples anew; against the plain-PyTorch
+    loop in float32 and float64. And the same run stopped after step 1 (inside the rollout) and resumed, against
+    the uninterrupted one."""
+    # Adam's eps at 1e-6: its first steps divide each gradient by its own size, so a coordinate whose gradient is
+    # float32 cancellation (~1e-8) moves by a share of the lr that rounding decides; eps bounds that share at
+    # lr * error / eps, under the float32 bound below, while the step's real gradients (1e-4 and up) pass unchanged.
+    training = replace(TRAINING, eps=1e-6, on_policy=replace(TRAINING.on_policy, updates_per_rollout=2))
+    loss = {"name": "policy_gradient", "teacher": 0.0, "reward": 1.0}
+    data = prompt_batches(2 * GAS, PROMPTS, seed=6)
+    torch.manual_seed(0)
+    run = distiller(out, loss, replace(training, checkpoint_dir=str(out / "stale_whole")))
+    history = run.train(data)
+    ours = gathered(run.student_model)
+    ref32, ref64 = (plain_grpo(student_folder(out), run.made, dtype, reuse=2, training=training)
+                    for dtype in (torch.float32, torch.float64))
+    torch.manual_seed(0)
+    first = distiller(out, loss, replace(training, checkpoint_dir=str(out / "stale_parts"), save_every=1))
+    first.train(data, until=1)
+    torch.manual_seed(123)
+    second = distiller(out, loss, replace(training, checkpoint_dir=str(out / "stale_parts")))
+    second.resume()
+    second.train(data)
+    start = [p.detach().float() for p in AutoModelForCausalLM.from_pretrained(student_folder(out)).parameters()]
+    write(out, "stale", {
+        "max_param_diff": max_diff(ours, ref32), "ours_vs_float64": max_diff(ours, ref64),
+        "ref_vs_float64": max_diff(ref32, ref64), "max_param_change": max_diff(ours, start),
+        "rollouts_sampled": len(run.made) // GAS, "reward_means": [h["reward_mean"] for h in history],
+        "resumed_identical": all(torch.equal(a, b) for a, b in zip(ours, gathered(second.student_model),
+                                                                   strict=True)),
+        "resumed_history": second.history == history})
 
 
 def resume(out: Path) -> None:
