@@ -18,6 +18,7 @@ from losses.attention import AttentionKL
 from losses.base import DistillationLoss
 from losses.composite import WeightedSum
 from losses.cross_tokenizer import CrossTokenizer
+from losses.drafting import TargetVerified
 from losses.divergences import (
     ForwardKL,
     GeneralizedJSD,
@@ -47,6 +48,7 @@ LOSSES: dict[str, type[DistillationLoss]] = {
     "mutual_kl": MutualKL,
     "cross_tokenizer": CrossTokenizer,
     "policy_gradient": PolicyGradient,
+    "target_verified": TargetVerified,
 }
 
 LossSpec = str | Mapping[str, Any] | DistillationLoss | Sequence[Mapping[str, Any]]

@@ -198,3 +198,36 @@ def test_latencies_and_the_speedup_they_predict(gpt2_pair):
         assert figures[key] > 0
     round_s = 2 * figures["drafter_step_s"] + figures["target_verify_s"]
     assert figures["predicted_speedup"] == pytest.approx(figures["tau"] * figures["target_step_s"] / round_s)
+
+
+def test_target_verified_loss_against_a_float64_loop():
+    """The weights by their definition, token by token: reach = product of a over the round's earlier drafts
+    (rounds of gamma counted tokens from each row's first), times 1 + w (1 - a); the loss sum_t weight_t TV_t over
+    the counted tokens."""
+    from losses import build_loss
+
+    generator = torch.Generator().manual_seed(5)
+    batch_size, length, vocab, gamma, rejected = 2, 9, 7, 3, 0.5
+    student = torch.randn(batch_size, length, vocab, generator=generator, dtype=torch.float64)
+    teacher = torch.randn(batch_size, length, vocab, generator=generator, dtype=torch.float64) * 2
+    ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt of 3 tokens: row 0 drafts from its position 2 on (predicting token 3)
+    labels[1, 7:] = -100  # row 1 stops early
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    loss = build_loss({"name": "target_verified", "gamma": gamma, "rejected_weight": rejected})
+    got = loss(SimpleNamespace(logits=student), SimpleNamespace(logits=teacher), batch).total
+    total, count = 0.0, 0
+    for row in range(batch_size):
+        drafted = [t for t in range(length - 1) if labels[row, t + 1] != -100]
+        reach = 1.0
+        for k, t in enumerate(drafted):
+            p, q = torch.softmax(teacher[row, t], -1), torch.softmax(student[row, t], -1)
+            x = int(ids[row, t + 1])
+            a = min(1.0, float(p[x] / q[x]))
+            if k % gamma == 0:
+                reach = 1.0
+            total += reach * (1 + rejected * (1 - a)) * float(0.5 * (p - q).abs().sum())
+            reach *= a
+            count += 1
+    assert float(got) == pytest.approx(total / count, rel=1e-12)  # float64 throughout: rounding only

@@ -182,12 +182,12 @@ def forward_latency(model: nn.Module, prompt: torch.Tensor, new_tokens: int, rep
     """Seconds of one forward of ``new_tokens`` tokens after ``prompt`` already in the model's KV cache (a decode
     step for 1 token, the target's verification for ``gamma + 1``); the cache is cut back after each call."""
     out = model(input_ids=prompt.unsqueeze(0), use_cache=True)
-    cache, length = out.past_key_values, prompt.numel()
+    cache = out.past_key_values
     new = prompt.new_zeros((1, new_tokens))
 
     def step() -> None:
         model(input_ids=new, past_key_values=cache, use_cache=True)
-        cache.crop(length)
+        cache.crop(-new_tokens)  # transformers 5: a negative count of tokens to drop
 
     return _timed(step, repeats, prompt.device)
 
