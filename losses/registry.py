@@ -18,7 +18,6 @@ from losses.attention import AttentionKL
 from losses.base import DistillationLoss
 from losses.composite import WeightedSum
 from losses.cross_tokenizer import CrossTokenizer
-from losses.drafting import TargetVerified
 from losses.divergences import (
     ForwardKL,
     GeneralizedJSD,
@@ -28,6 +27,7 @@ from losses.divergences import (
     SkewReverseKL,
     TotalVariation,
 )
+from losses.drafting import TargetVerified
 from losses.hidden import HiddenCosine, HiddenMSE
 from losses.mutual import MutualKL
 from losses.policy import PolicyGradient
