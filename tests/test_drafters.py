@@ -87,3 +87,17 @@ def test_every_evaluation_measures_each_student_as_a_drafter(tmp_path):
     assert f"--speculative-draft-model-path {tmp_path / 'students' / 's'}" in row["serve"]["sglang"]
     assert '"num_speculative_tokens": 2' in row["serve"]["vllm"]
     assert "s: as a drafter of the teacher (greedy, gamma 2, 2 held-out prompts): tau" in report.table(summary)
+
+
+def test_students_with_their_own_tokenizer_cannot_draft():
+    from types import SimpleNamespace
+
+    from distill_kit.config import EvalConfig
+    from distill_kit.run import validate
+    from distill_kit.run.run_config import RunConfig
+
+    config = RunConfig(student_tokenizer="bpe:300", eval=EvalConfig(speculative=ON))
+    problems = validate.check_student_tokenizers(SimpleNamespace(config=config))
+    assert any("a drafter must use its target's tokenizer" in p for p in problems)
+    off = RunConfig(student_tokenizer="bpe:300")
+    assert validate.check_student_tokenizers(SimpleNamespace(config=off)) == []
