@@ -151,7 +151,8 @@ def table(results: dict) -> dict:
     for name in sorted(names):
         taus = [f[name]["tau"] for f in results["seeds"].values() if name in f]
         rows[name] = {"tau_mean": statistics.mean(taus), "tau_min": min(taus), "tau_max": max(taus), "taus": taus,
-                      "acceptance_by_position_mean": [statistics.mean(x) for x in zip(
+                      "acceptance_by_position_mean": [statistics.mean(a for a in x if a is not None) if any(
+                          a is not None for a in x) else None for x in zip(
                           *[f[name]["acceptance_by_position"] for f in results["seeds"].values() if name in f],
                           strict=True)]}
     if "forward_kl" in rows:

@@ -132,7 +132,7 @@ def table(summary: Mapping[str, Any]) -> str:
                          f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
     for name, row in summary["students"].items():
         if "speculative_tau" in row:
-            by_position = " ".join(f"{a:.2f}" for a in row["speculative_acceptance_by_position"])
+            by_position = " ".join("-" if a is None else f"{a:.2f}" for a in row["speculative_acceptance_by_position"])
             lines.append(f"{name}: as a drafter of the teacher ({row['speculative_mode']}, gamma "
                          f"{row['speculative_gamma']}, {row['speculative_prompts']} held-out prompts): tau "
                          f"{row['speculative_tau']:.3f} tokens a round, acceptance by position {by_position}, "

@@ -154,12 +154,13 @@ def speculative_decode(target: nn.Module, drafter: nn.Module, prompt: torch.Tens
 
 def acceptance_figures(accepted: Sequence[int], gamma: int) -> dict[str, Any]:
     """tau (mean tokens a round, accepted drafts + 1), the rounds, and the acceptance rate at each draft position:
-    of the rounds that reached draft i (every earlier one kept), the share that kept it."""
+    of the rounds that reached draft i (every earlier one kept), the share that kept it (None where none reached it:
+    JSON has no NaN)."""
     rounds = len(accepted)
     reached = [sum(1 for a in accepted if a >= i) for i in range(gamma)]
     kept = [sum(1 for a in accepted if a > i) for i in range(gamma)]
     return {"tau": (sum(accepted) + rounds) / rounds if rounds else float("nan"), "rounds": rounds,
-            "acceptance_by_position": [k / r if r else float("nan") for k, r in zip(kept, reached, strict=True)]}
+            "acceptance_by_position": [k / r if r else None for k, r in zip(kept, reached, strict=True)]}
 
 
 def _timed(step, repeats: int, device: torch.device) -> float:
