@@ -138,8 +138,9 @@ def speculative_run(target, drafter, prompt: torch.Tensor, new: int, gamma: int,
 
 def build(config, dtype: torch.dtype, device: torch.device):
     config = config.__class__.from_dict(config.to_dict() | {"use_cache": True})
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
+    with device:  # built on the device: a 7.6B model is never initialised on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
 
 
 def main(argv=None) -> int:
