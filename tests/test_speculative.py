@@ -231,3 +231,13 @@ def test_target_verified_loss_against_a_float64_loop():
             reach *= a
             count += 1
     assert float(got) == pytest.approx(total / count, rel=1e-12)  # float64 throughout: rounding only
+
+
+def test_greedy_rounds_from_one_drafter_forward_are_the_loops(gpt2_pair):
+    target, drafter = gpt2_pair
+    for prompt in prompts(3):
+        for gamma in (1, 4):
+            loop = speculative.speculative_decode(target, drafter, prompt, gamma=gamma, max_new_tokens=17).accepted
+            fast = speculative.greedy_accepted(target, drafter, prompt, gamma=gamma, max_new_tokens=17)
+            assert fast == loop
+    assert speculative.greedy_rounds([True, True, False, True, True, True, True, True], 3, 8) == [2, 3, 1]

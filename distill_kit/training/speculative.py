@@ -152,6 +152,43 @@ def speculative_decode(target: nn.Module, drafter: nn.Module, prompt: torch.Tens
     return Decoded(torch.tensor(out[:max_new_tokens], dtype=torch.long), accepted)
 
 
+def greedy_rounds(matches: Sequence[bool], gamma: int, max_new_tokens: int) -> list[int]:
+    """The drafts kept in each round of greedy speculative decoding, from ``matches[k]``: whether the drafter's argmax
+    after the prompt and the target's first ``k`` greedy tokens is the target's token ``k``.
+
+    Greedy speculative decoding outputs the target's greedy tokens, and while a round's drafts are kept the drafter
+    reads exactly those tokens: a round that starts at token ``j`` keeps the run of matches from ``j`` on (at most
+    ``gamma``), then adds the target's token. So one teacher-forced drafter forward over the target's greedy output
+    gives every round, as :func:`speculative_decode` would draw them (``tests/test_speculative.py`` checks both)."""
+    rounds, start = [], 0
+    while start < max_new_tokens:
+        kept = 0
+        while kept < gamma and start + kept < len(matches) and matches[start + kept]:
+            kept += 1
+        rounds.append(kept)
+        start += kept + 1
+    return rounds
+
+
+@torch.no_grad()
+def greedy_accepted(target: nn.Module, drafter: nn.Module, prompt: torch.Tensor, *, gamma: int,
+                    max_new_tokens: int, vocab: int | None = None) -> list[int]:
+    """:func:`speculative_decode`'s accepted counts in greedy mode without its loop: the target's greedy tokens (its
+    own decode loop with a KV cache), then one drafter forward over them. No end token stops it (as the loop's
+    ``eos_token_id`` None), and ``gamma`` tokens more than ``max_new_tokens`` are decoded so that the last round's
+    drafts are all judged, as the loop judges them. Where two logits tie to float rounding, a cached step and the
+    loop's uncached forward may pick different argmaxes: the figures are the same up to such ties."""
+    vocab = vocab or min(target.config.vocab_size, drafter.config.vocab_size)
+    out = target(input_ids=prompt.unsqueeze(0), use_cache=True)
+    cache, tokens = out.past_key_values, [int(out.logits[0, -1, :vocab].argmax())]
+    while len(tokens) < max_new_tokens + gamma:
+        out = target(input_ids=prompt.new_tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1, :vocab].argmax()))
+    text = torch.cat([prompt, prompt.new_tensor(tokens)])
+    drafts = _logits(drafter, text[:-1], vocab)[len(prompt) - 1:].argmax(-1)
+    return greedy_rounds((drafts == text[len(prompt):]).tolist(), gamma, max_new_tokens)
+
+
 def acceptance_figures(accepted: Sequence[int], gamma: int) -> dict[str, Any]:
     """tau (mean tokens a round, accepted drafts + 1), the rounds, and the acceptance rate at each draft position:
     of the rounds that reached draft i (every earlier one kept), the share that kept it (None where none reached it:
@@ -222,6 +259,9 @@ def evaluate_drafters(target: nn.Module, drafters: Mapping[str, nn.Module], prom
             rng = TorchRandomness(seed)
             accepted: list[int] = []
             for prompt in prompts:
+                if mode == "greedy" and eos_token_id is None:  # the same rounds, one drafter forward a prompt
+                    accepted += greedy_accepted(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens)
+                    continue
                 accepted += speculative_decode(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens,
                                                mode=mode, temperature=temperature, eos_token_id=eos_token_id,
                                                rng=rng).accepted
