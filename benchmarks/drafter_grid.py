@@ -20,6 +20,8 @@ per run); off-policy objectives share one run (one teacher forward for the three
 after every run, and a table (mean over seeds and range)::
 
     OMP_NUM_THREADS=1 python benchmarks/drafter_grid.py --seeds 0 1 2 --steps 300 --out runs/drafters.json
+
+or one process a seed, side by side, then ``--merge runs/d0.json runs/d1.json runs/d2.json --out runs/drafters.json``.
 """
 
 from __future__ import annotations
@@ -111,7 +113,17 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--cache", default=".cache")
     parser.add_argument("--out", default="runs/drafters.json")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                        help="merge finished runs (one per seed, run side by side) into --out and print the table")
     args = parser.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        merged = {"settings": parts[0]["settings"] | {"seeds": [s for p in parts for s in map(int, p["seeds"])]},
+                  "seeds": {seed: figures for p in parts for seed, figures in p["seeds"].items()}}
+        merged["table"] = table(merged)
+        Path(args.out).write_text(json.dumps(merged, indent=2))
+        print(json.dumps(merged["table"], indent=2))
+        return 0
     torch.set_num_threads(1)
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TEACHER)
