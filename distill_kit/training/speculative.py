@@ -22,7 +22,8 @@ tokens only, not the accepted count of each round, and by default changes its dr
 ``gamma`` and no threshold, its greedy output and its number of target calls are those of :func:`speculative_decode`
 (``tests/test_speculative.py`` checks it). Here each round recomputes the prefix without a KV cache: the figures
 are exact and the code is the definition; the latencies that predict the speed-up are measured with a cache
-(:func:`measure_latencies`), as a server would run.
+(:func:`measure_latencies`), as a server would run. In greedy mode the evaluation takes the same rounds from one
+drafter forward over the target's greedy output (:func:`greedy_accepted`), tested equal to the loop's.
 
 Randomness is drawn through a :class:`Randomness` object (a categorical draw and a coin), so a test can replace it
 with one that enumerates every branch and gets the exact output distribution.
