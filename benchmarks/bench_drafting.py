@@ -153,9 +153,10 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--tau", type=float, nargs="*", default=[1.13, 1.77, 2.5, 5.0],
-                        help="taus to predict a speed-up from (defaults: the issue's no-teacher and forward-KL "
-                             "students, its target, gamma + 1)")
+    parser.add_argument("--tau", type=float, nargs="*", default=[1.236, 1.366, 1.469, 1.77, 2.5, 5.0],
+                        help="taus to predict a speed-up from (defaults: the CPU grid's total variation, no-teacher "
+                             "and forward-KL drafters, benchmarks/results/drafters.md; the issue's make-distill "
+                             "student and target; gamma + 1)")
     parser.add_argument("--out", default="runs/bench_drafting")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
