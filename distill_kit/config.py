@@ -463,6 +463,45 @@ class HarnessConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding on held-out prompts, the (first) teacher as target and each student as drafter
+    (``distill_kit/training/speculative.py``; docs/drafters.md): tau, the mean tokens a round, the acceptance rate at
+    each draft position, and the speed-up predicted from latencies measured on the run's device. Off: prompts 0."""
+
+    prompts: int = 0
+    """Held-out rows whose prompts are decoded (the held-out split's first rows, the same on every rank); 0: off."""
+    gamma: int = 4
+    """Draft tokens a round (num_speculative_tokens in vLLM, speculative-num-draft-tokens - 1 in SGLang)."""
+    mode: Literal["greedy", "sampled"] = "greedy"
+    """greedy: a draft is kept while it is the teacher's argmax (the output is the teacher's greedy output); sampled:
+    modified rejection sampling at temperature (the output's law is the teacher's)."""
+    max_new_tokens: int = 32
+    """Tokens decoded after each prompt."""
+    prompt_tokens: int = 32
+    """A text row's first tokens as its prompt; a chat row's prompt is its own (its last prompt_tokens if longer)."""
+    temperature: float = 1.0
+    """Of both models in sampled mode."""
+    seed: int = 0
+    """Of the draws in sampled mode: each drafter draws from its own generator with this seed."""
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise ConfigError(f"eval.speculative.gamma: {self.gamma}; a drafter proposes at least one token a round: "
+                              "give 1 or more (4 is usual; vLLM's num_speculative_tokens)")
+        for key, low in (("prompts", 0), ("max_new_tokens", 1), ("prompt_tokens", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"eval.speculative.{key}: {getattr(self, key)}; it must be at least {low}")
+        if not self.temperature > 0:
+            raise ConfigError(f"eval.speculative.temperature: {self.temperature}; give a number > 0 (greedy decoding "
+                              "is mode: greedy)")
+        check_seed(self.seed, "eval.speculative.seed")
+
+    @property
+    def on(self) -> bool:
+        return self.prompts > 0
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation: perplexity, top-1 agreement with the teacher, mean teacher-student KL."""
 
@@ -472,6 +511,9 @@ class EvalConfig:
     """Micro-batches per rank per evaluation; None uses the whole held-out split."""
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     """lm-evaluation-harness tasks scored on every exported student and the teacher at the end of the run."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Each student as a speculative-decoding drafter of the teacher, at every evaluation: tau and the predicted
+    speed-up (docs/drafters.md); off unless prompts > 0."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

@@ -85,6 +85,7 @@ class Distiller(Trainer):
         student_ds_config: DeepSpeedConfig | None = None,
         teacher_ds_config: DeepSpeedConfig | None = None,
         plan: Plan | None = None,
+        speculative: Any = None,
     ):
         """``loss`` and ``peft`` belong to the one-line case (a spec carries its own). ``peft`` (``{r, alpha,
         dropout, target_modules}``, an ``AdapterConfig`` or a ``peft.PeftConfig``) trains adapters on a frozen
@@ -97,7 +98,9 @@ class Distiller(Trainer):
         checked against (default: the plan's choice, ``plan.run_tokenizer``: the lead teacher's, as its card names
         it). ``vocab_map`` (a :class:`~distill_kit.data.alignment.VocabMap`) says the tokenizers differ: batches are
         paired blocks and the loss ``cross_tokenizer`` gets it. ``plan``: one made already from the same specs (the
-        CLI's, made by its start-up checks), built as it is.
+        CLI's, made by its start-up checks), built as it is. ``speculative`` (an ``eval.speculative``
+        :class:`~distill_kit.config.SpeculativeConfig`): every evaluation also measures each student as a drafter of
+        the teacher (tau, acceptance by position, predicted speed-up; docs/drafters.md).
         """
         student_specs, teacher_specs = _the_specs(student, teacher, students, teachers, loss, peft)
         deepspeed = deepspeed or DeepSpeedSettings()
@@ -109,7 +112,7 @@ class Distiller(Trainer):
             plan = make_plan(student_specs, teacher_specs, training=self.training, combine=combine,
                              world_size=distributed.world_size(), deepspeed=deepspeed, data=data,
                              output_dir=output_dir, tokenizer=tokenizer, vocab_map=vocab_map,
-                             alone=student is not None)
+                             alone=student is not None, speculative=speculative)
         self.plan = plan
         """Every decision the run builds from (``training/plan.py``), checked before anything loads."""
         self.training = self.plan.training  # with what the plan derived: sample limits, the checkpoint folder
@@ -344,9 +347,17 @@ class Distiller(Trainer):
             engine.eval()
         try:
             dense = all(card.dense for card in self.plan.cards.values())
-            return evaluation.evaluate_students(
+            figures = evaluation.evaluate_students(
                 forwards, (lambda batch: self.teachers.mixture(self.teacher_forward(batch))) if dense else None,
                 batches, self.device, max_batches)
+            if self.plan.speculative is not None:
+                drafted = evaluation.evaluate_drafters(
+                    getattr(self.teacher, "module", self.teacher),
+                    {student.key or "student": student.model for student in self.students.values()},
+                    batches, self.plan.speculative, self.device)
+                for name, row in drafted.items():
+                    figures[name] |= row
+            return figures
         finally:
             for engine in engines:
                 engine.train()

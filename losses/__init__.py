@@ -13,6 +13,7 @@ from losses.divergences import (
     SkewReverseKL,
     TotalVariation,
 )
+from losses.drafting import TargetVerified
 from losses.hidden import HiddenCosine, HiddenMSE, HiddenStateLoss
 from losses.mutual import MutualKL
 from losses.policy import PolicyGradient
@@ -38,6 +39,7 @@ __all__ = [
     "ReverseKL",
     "SkewForwardKL",
     "SkewReverseKL",
+    "TargetVerified",
     "TotalVariation",
     "WeightedSum",
     "build_loss",

@@ -312,3 +312,35 @@ def clipped_surrogate(log_probs: torch.Tensor, old_log_probs: torch.Tensor | Non
     ratio = torch.exp(log_probs - old)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+# ---- drafters for speculative decoding (losses/drafting.py, distill_kit/training/speculative.py) -------------------
+
+def acceptance_probability(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                           tokens: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x) / q(x)) of each drafted token ``tokens`` (n,): the probability that speculative sampling's
+    target keeps the drafter's token x (Leviathan et al. 2023). Its mean over x ~ q is sum_x min(p, q) =
+    1 - TV(p, q). Computed from log-probabilities, so a q that underflows does not divide by zero."""
+    log_p = F.log_softmax(teacher_logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    log_q = F.log_softmax(student_logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.exp((log_p - log_q).clamp(max=0.0))
+
+
+def verification_weights(acceptance: torch.Tensor, mask: torch.Tensor, gamma: int,
+                         rejected_weight: float) -> torch.Tensor:
+    """Per-token weights ``(B, T)`` of target-verified rollouts, from each drafted token's acceptance probability
+    ``acceptance`` ``(B, T)``; ``mask`` ``(B, T)`` marks a row's drafted tokens, which are cut, in order, into rounds
+    of ``gamma``.
+
+    Within a round the target reads a draft only if it kept every earlier one: the weight is the probability of
+    reaching the token, prod_{s < t in its round} a_s, times ``1 + rejected_weight * (1 - a_t)``, which puts the loss
+    on the tokens the target would reject. The expectation over the coins, not one draw of them: no variance added.
+    Zero off the mask.
+    """
+    index = (mask.long().cumsum(1) - 1).clamp(min=0)  # each drafted token's place in its row's draft
+    log_a = torch.log(acceptance.clamp(min=1e-30)) * mask
+    before = torch.cumsum(log_a, 1) - log_a  # sum of log a over the row's earlier drafted tokens
+    by_index = torch.zeros_like(before).scatter(1, torch.where(mask, index, before.shape[1] - 1), before)
+    at_round_start = by_index.gather(1, index - index % gamma)
+    reach = torch.exp(before - at_round_start)
+    return reach * (1.0 + rejected_weight * (1.0 - acceptance)) * mask

@@ -27,6 +27,7 @@ from losses.divergences import (
     SkewReverseKL,
     TotalVariation,
 )
+from losses.drafting import TargetVerified
 from losses.hidden import HiddenCosine, HiddenMSE
 from losses.mutual import MutualKL
 from losses.policy import PolicyGradient
@@ -47,6 +48,7 @@ LOSSES: dict[str, type[DistillationLoss]] = {
     "mutual_kl": MutualKL,
     "cross_tokenizer": CrossTokenizer,
     "policy_gradient": PolicyGradient,
+    "target_verified": TargetVerified,
 }
 
 LossSpec = str | Mapping[str, Any] | DistillationLoss | Sequence[Mapping[str, Any]]

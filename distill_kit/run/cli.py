@@ -214,7 +214,8 @@ def build_distiller(config: RunConfig, specs: list[StudentSpec], plan: Plan | No
     return distiller_class(config)(
         students=specs, teachers=run_config.teacher_specs(config), combine=config.combine, training=config.training,
         deepspeed=run_config.deepspeed_settings(config), data=data, output_dir=config.output_dir,
-        tokenizer=config.tokenizer, vocab_map=vocab_map, plan=plan)
+        tokenizer=config.tokenizer, vocab_map=vocab_map, plan=plan,
+        **({"speculative": config.eval.speculative} if plan is None else {}))  # else the plan carries it
 
 
 def teacher_records(config: RunConfig, distiller: Distiller) -> list[dict[str, Any]]:

@@ -76,6 +76,28 @@ def reward_summary(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
             for key in REWARD_FIGURES if key in rows[0]}
 
 
+def serve_commands(teacher: str, drafter: str | Path, gamma: int) -> dict[str, str]:
+    """How vLLM and SGLang serve ``teacher`` with the exported student ``drafter`` as its draft model, ``gamma`` drafts
+    a round (flags read in their sources: vLLM's ``vllm/config/speculative.py`` SpeculativeConfig, method
+    ``draft_model``; SGLang's ``server_args.py``, algorithm ``STANDALONE``; docs/drafters.md#serving)."""
+    spec = json.dumps({"model": str(drafter), "num_speculative_tokens": gamma, "method": "draft_model"})
+    return {"vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
+            "sglang": f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm STANDALONE "
+                      f"--speculative-draft-model-path {drafter} --speculative-num-steps {gamma} "
+                      f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}"}
+
+
+def add_drafting(summary: Mapping[str, Any], teacher: Mapping[str, Any] | None, students_dir: Path) -> None:
+    """Each student measured as a drafter (``speculative_*`` figures) records the teacher it drafts for (name, model,
+    sha256 of its weights) and the commands that serve its exported folder as that teacher's draft model."""
+    if teacher is None:
+        return
+    for name, row in summary["students"].items():
+        if "speculative_tau" in row:
+            row["drafts_for"] = {k: teacher.get(k) for k in ("name", "model", "sha256")}
+            row["serve"] = serve_commands(str(teacher.get("model")), students_dir / name, row["speculative_gamma"])
+
+
 def across_tokenizers(final: Mapping[str, Mapping[str, float]]) -> bool:
     """Whether the students were evaluated on another tokenizer than the teacher's: bits per byte measured, and no
     KL (which needs one vocabulary; ``evaluation.py`` leaves it out exactly then)."""
@@ -108,6 +130,13 @@ def table(summary: Mapping[str, Any]) -> str:
             lines.append(f"{name}: held-out perplexity {row['perplexity']:.3f} vs {row['no_teacher_perplexity']:.3f} "
                          f"without the teacher ({100 * row['perplexity_reduction_vs_no_teacher']:.1f}% lower; "
                          f"{100 * row['gap_closed']:.1f}% of the gap to the teacher closed)")
+    for name, row in summary["students"].items():
+        if "speculative_tau" in row:
+            by_position = " ".join("-" if a is None else f"{a:.2f}" for a in row["speculative_acceptance_by_position"])
+            lines.append(f"{name}: as a drafter of the teacher ({row['speculative_mode']}, gamma "
+                         f"{row['speculative_gamma']}, {row['speculative_prompts']} held-out prompts): tau "
+                         f"{row['speculative_tau']:.3f} tokens a round, acceptance by position {by_position}, "
+                         f"predicted speed-up {row['speculative_predicted_speedup']:.2f}x on this device")
     for name, row in summary["students"].items():
         if "reward_mean_last" in row:
             lines.append(f"{name}: reward {row['reward_mean_first']:.4g} -> {row['reward_mean_last']:.4g} (first and "
@@ -173,6 +202,7 @@ def write(out_dir: Path, config: Mapping[str, Any], losses: Mapping[str, Any],
     summary = summarize(evaluations[-1]["metrics"], losses, inits)
     for name, history in histories.items():
         summary["students"].get(name, {}).update(reward_summary(history))
+    add_drafting(summary, next(iter(extra.get("teachers") or []), None), out_dir / "students")
     report = {"summary": summary, "evaluations": list(evaluations), "histories": dict(histories),
               "config": dict(config), **extra}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))

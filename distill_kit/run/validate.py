@@ -173,7 +173,11 @@ def check_student_tokenizers(start: Start) -> list[str]:
     if config.student_tokenizer is None:
         return []
     students = [(f"students[{s.name}].model", s.model) for s in config.students if s.model is not None]
-    return tokenizer_problems(("student_tokenizer", config.student_tokenizer), students)
+    drafting = [] if not config.eval.speculative.on else [
+        "eval.speculative: the students use their own tokenizer (student_tokenizer), so their drafts are not the "
+        "teacher's tokens: a drafter must use its target's tokenizer. Drop student_tokenizer, or drop "
+        "eval.speculative"]
+    return drafting + tokenizer_problems(("student_tokenizer", config.student_tokenizer), students)
 
 
 def run_plan(config: RunConfig, data: DataFacts) -> Plan:
@@ -181,7 +185,7 @@ def run_plan(config: RunConfig, data: DataFacts) -> Plan:
     return make_plan(list(config.students), run_config.teacher_specs(config), training=config.training,
                      combine=config.combine, world_size=distributed.world_size(),
                      deepspeed=run_config.deepspeed_settings(config), data=data, output_dir=config.output_dir,
-                     tokenizer=config.tokenizer, evaluate=True)
+                     tokenizer=config.tokenizer, evaluate=True, speculative=config.eval.speculative)
 
 
 def tokenizer_of(config: RunConfig, plan: Plan | None) -> str | None:

@@ -10,6 +10,9 @@ When the batches carry ``token_bytes`` (paired blocks, ``distill_kit/data/paired
 gets held-out bits per byte, the measure that compares across tokenizers. With a teacher that has another
 tokenizer (``teacher_input_ids`` in the batch) each model's perplexity is over its own tokens, and top-1
 agreement and KL, which need one vocabulary, are left out.
+
+With ``eval.speculative`` on, :func:`evaluate_drafters` adds each student's figures as a drafter of the teacher
+(``speculative.py``): ``speculative_tau`` and the rest, beside its perplexity.
 """
 
 from __future__ import annotations
@@ -22,8 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from distill_kit.config import SpeculativeConfig
 from distill_kit.engines import distributed
+from distill_kit.engines.models import positions
 from distill_kit.errors import DataError
+from distill_kit.training import speculative
+from distill_kit.training.on_policy import prompt_of
 from losses.base import next_token_labels, valid_positions
 
 if TYPE_CHECKING:
@@ -160,3 +167,47 @@ def _own_metrics(stats: Mapping[str, torch.Tensor], side: str) -> dict[str, floa
         out |= load_metric("bits_per_byte").compute(predictions=stats[f"{side}_nll"].double().tolist(),
                                                     references=stats[f"{side}_bytes"].tolist())
     return out
+
+
+def held_out_prompts(batches: Iterable[Mapping[str, Any]], count: int, prompt_tokens: int) -> list[torch.Tensor]:
+    """The first ``count`` held-out rows' prompts (CPU): a chat row's own prompt (its last ``prompt_tokens`` tokens),
+    a text row's first ``prompt_tokens`` tokens (a text row counts every token: it has no prompt of its own)."""
+    prompts: list[torch.Tensor] = []
+    for batch in batches:
+        for row in range(batch["input_ids"].shape[0]):
+            prompt = prompt_of(batch, row)
+            if len(prompt) == 0:
+                length = int(batch["attention_mask"][row].sum()) if "attention_mask" in batch else None
+                prompt = batch["input_ids"][row, :length][:prompt_tokens]
+            prompt = prompt[-prompt_tokens:].cpu()
+            if len(prompt):
+                prompts.append(prompt)
+            if len(prompts) == count:
+                return prompts
+    return prompts
+
+
+@torch.no_grad()
+def evaluate_drafters(target: torch.nn.Module, drafters: Mapping[str, torch.nn.Module],
+                      batches: Iterable[Mapping[str, Any]], config: SpeculativeConfig,
+                      device: torch.device) -> dict[str, dict[str, Any]]:
+    """Each drafter's speculative-decoding figures against ``target`` (``speculative.py``), keys ``speculative_*``,
+    on every rank. Every rank decodes rank 0's prompts (a ZeRO-3 target's forward is a collective: every rank must
+    make the same calls), and rank 0's figures are the result."""
+    prompts = distributed.broadcast_object(held_out_prompts(batches, config.prompts, config.prompt_tokens)
+                                           if distributed.is_main() else None)
+    if not prompts:
+        raise DataError("eval.speculative found no held-out prompt to decode: give held-out data (data.heldout)")
+    limit = min((n for n in (positions(getattr(m, "config", None)) for m in (target, *drafters.values())) if n),
+                default=None)
+    longest = max(len(p) for p in prompts)
+    new_tokens = config.max_new_tokens if limit is None else min(config.max_new_tokens, limit - longest - config.gamma)
+    if new_tokens < 1:
+        raise DataError(f"eval.speculative: prompts of {longest} tokens leave no room to decode in {limit} positions; "
+                        "lower eval.speculative.prompt_tokens")
+    figures = speculative.evaluate_drafters(target, drafters, [p.to(device) for p in prompts], gamma=config.gamma,
+                                            max_new_tokens=new_tokens, mode=config.mode,
+                                            temperature=config.temperature, eos_token_id=None, seed=config.seed)
+    named = {name: {f"speculative_{key}": value for key, value in row.items()} | {"speculative_prompts": len(prompts)}
+             for name, row in figures.items()}
+    return distributed.broadcast_object(named)

@@ -92,6 +92,9 @@ class Plan:
     tokenizer: str | None = None
     """The run's tokenizer, a folder or hub name (:func:`run_tokenizer`): the one given, else the lead teacher's as
     its card names it. The CLI reads its data with it; None: no model of the run names one."""
+    speculative: Any = None
+    """The run's ``eval.speculative`` (a :class:`~distill_kit.config.SpeculativeConfig`) when it is on: each student
+    evaluated as a drafter of the lead teacher (``training/speculative.py``); None: off."""
 
     @property
     def need_attentions(self) -> bool:
@@ -117,6 +120,7 @@ def make_plan(
     evaluate: bool = False,
     vocab_map: Any = None,
     alone: bool = False,
+    speculative: Any = None,
 ) -> Plan:
     """The plan of a run of ``students`` and ``teachers``; one ``ConfigError`` listing every problem, each with its fix.
 
@@ -125,6 +129,8 @@ def make_plan(
     (a folder or hub name) every model's is compared with; None: the plan decides (:func:`run_tokenizer`).
     ``evaluate``: the run evaluates its students against the teachers (the CLI's does). ``alone``: the one-line
     case, whose messages say "student" and "teacher" and whose records and checkpoint folder have the empty key.
+    ``speculative``: an ``eval.speculative`` setting; when on, every student must be able to draft for the lead
+    teacher (:func:`drafter_problems`).
     """
     deepspeed = deepspeed or DeepSpeedSettings()
     data = data or DataFacts()
@@ -195,6 +201,9 @@ def make_plan(
                 peft_student.check_targets(adapters[spec.name], student_configs[spec.name])
             except (ImportError, TypeError, ValueError) as err:
                 problems.append(f"students[{spec.name}].peft: {err}")
+    speculative = speculative if speculative is not None and speculative.on else None
+    if speculative is not None:
+        problems += drafter_problems(students, teachers, cards, student_configs, vocab_map)
     if training.checkpoint_dir is not None:
         problems += checkpoint.folder_problems(training.checkpoint_dir, _checkpoint_bytes(students, student_configs,
                                                                                           training.dtype),
@@ -214,7 +223,36 @@ def make_plan(
         notes.append(paging.describe())
     return Plan(list(students), list(teachers), training, cards, student_configs, losses, student_ds, teacher_ds,
                 teacher_vocab, adapters, combine, head_at_loss, notes, data, keys, paging, rewards,
-                lead=lead.name if lead is not None else None, tokenizer=tokenizer)
+                lead=lead.name if lead is not None else None, tokenizer=tokenizer, speculative=speculative)
+
+
+def drafter_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                     cards: Mapping[str, TeacherCard], student_configs: Mapping[str, Any], vocab_map: Any) -> list[str]:
+    """``eval.speculative``: the lead teacher verifies each student's drafts token id by token id, so it must run
+    in-process with its full distribution, and every student must share its tokenizer and vocabulary."""
+    key = "eval.speculative"
+    lead = lead_teacher(teachers)
+    if lead is None:
+        return [f"{key}: a drafter drafts for a teacher, and this run has none: drop {key} (prompts: 0) or add a "
+                "teacher"]
+    card = cards[lead.name]
+    if not card.dense or not card.can_generate:
+        return [f"{key}: teacher {lead.name!r} (a {card.kind} teacher) cannot verify drafts: speculative decoding "
+                "needs the target's full next-token distribution at every drafted position, and it returns top-k "
+                "targets only. Use a teacher that runs in-process (kind: engine), or drop eval.speculative"]
+    if vocab_map is not None:
+        return [f"{key}: the students use another tokenizer than teacher {lead.name!r}, so their drafts are not the "
+                "teacher's tokens: a drafter must use its target's tokenizer. Drop student_tokenizer (the students "
+                "take the teacher's), or drop eval.speculative"]
+    problems = []
+    for spec in students:
+        vocab = getattr(student_configs.get(spec.name), "vocab_size", None)
+        if vocab and card.vocab_size and vocab != card.vocab_size:
+            problems.append(f"{key}: student {spec.name!r} has a vocabulary of {vocab} tokens and teacher "
+                            f"{lead.name!r} of {card.vocab_size}: a drafter's token ids must be its target's, row for "
+                            "row. Build the student with the teacher's "
+                            "vocab_size (init, init_from_teacher), or drop eval.speculative")
+    return problems
 
 
 def lead_teacher(teachers: Sequence[TeacherSpec]) -> TeacherSpec | None:
