@@ -217,3 +217,35 @@ def test_ptq_of_the_teacher_is_the_same_conversion_of_untrained_weights(teacher_
         plain = (a.dequantize(), b.dequantize()) if hasattr(a, "qdata") else (a, b)
         assert torch.equal(*plain), name
     assert not quantize.fake_quantized(teacher)  # the original is left as it was
+
+
+@pytest.mark.slow
+def test_the_cli_cuts_a_student_from_its_teacher_trains_it_quantized_and_reports_its_size(tmp_path):
+    """init_from_teacher (every other layer) + quantize through scripts/distill.py's run: the cut student is
+    fake-quantised, exported as low-bit weights, and report.json gives its bytes on disk."""
+    from test_cli import write_texts
+
+    from distill_kit.data.tokenizer import train_tokenizer
+    from distill_kit.run import cli
+
+    tokenizer = train_tokenizer(write_texts(tmp_path), vocab_size=300)
+    torch.manual_seed(0)
+    teacher = tmp_path / "teacher"
+    LlamaForCausalLM(llama_config(vocab_size=len(tokenizer))).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    out = tmp_path / "run"
+    students = [{"name": "cut", "init_from_teacher": {"every": 2}, "quantize": {"group_size": GROUP}}]
+    config = run_config.load(None, [
+        f"teacher={teacher}", f"output_dir={out}", f"data.train={tmp_path / 'train.txt'}",
+        f"data.heldout={tmp_path / 'heldout.txt'}", "data.block_size=32", "data.max_train_blocks=16",
+        "data.max_heldout_blocks=2", "training.max_steps=2", "training.micro_batch_size=2", "eval.every=0",
+        "teacher_ds_overrides={zero_optimization.stage: 0}",
+        "--students", json.dumps(students)])
+    cli.run(config)
+    report = json.loads((out / "report.json").read_text())
+    record = report["quantized_exports"]["cut"]
+    assert record["scheme"] == "int4_weight_only" and record["group_size"] == GROUP
+    assert record["weight_bytes"] == quantize.weight_bytes(out / "students" / "cut") > 0
+    loaded = AutoModelForCausalLM.from_pretrained(out / "students" / "cut")
+    assert loaded.config.num_hidden_layers == 2
+    assert type(loaded.model.layers[1].self_attn.o_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"

@@ -209,6 +209,17 @@ def unpatched_linear() -> Iterator[None]:
         F.linear = current
 
 
+def export_record(directory: str | Path, quantize: QuantizeConfig) -> dict[str, Any]:
+    """What the report says of a quantized export: its scheme, its weight files' bytes on disk, and the bytes the
+    same parameters take in bf16 (2 per parameter), read from the folder (no weights loaded)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    config.quantization_config = None
+    return {"scheme": quantize.scheme, "group_size": quantize.group_size if quantize.scheme in INT4 else None,
+            "weight_bytes": weight_bytes(directory), "bf16_bytes": 2 * models.parameter_count(config)}
+
+
 # ---- refusals, before anything loads --------------------------------------------------------------------------
 
 
