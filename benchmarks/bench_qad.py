@@ -66,8 +66,10 @@ def peak_gib() -> float | None:
 
 
 def fresh_memory() -> None:
-    gc.collect()
+    """The last row's device memory freed and the peak counter reset (a GPU's figure; a CPU has no peak to read,
+    and a full collection there costs seconds in a process holding many objects, e.g. the test suite's)."""
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 

@@ -34,12 +34,13 @@ def test_the_qad_benchmark_runs_every_row_and_refuses_what_this_device_cannot_ru
 def test_the_share_of_the_ptq_gap_qad_recovers():
     import qad_quality
 
-    seed = {"teacher": {"perplexity": 10.0}, "ptq": {"perplexity": 12.0}, "qat": {"perplexity": 11.5},
-            "qad": {"perplexity": 10.4}}
+    seed = {"teacher": {"perplexity": 10.0}, "ptq": {"perplexity": 12.0, "mean_kl": 0.2},
+            "qat": {"perplexity": 11.5, "mean_kl": 0.3}, "qad": {"perplexity": 10.4, "mean_kl": 0.05}}
     assert qad_quality.recovered(seed) == pytest.approx(0.8)
-    other = {**seed, "qad": {"perplexity": 11.8}}
+    other = {**seed, "qad": {"perplexity": 11.8, "mean_kl": 0.1}}
     summary = qad_quality.summarize({0: seed, 1: other})
     assert summary["qad_recovers_of_ptq_gap"]["seeds"] == pytest.approx([0.8, 0.1])
     assert summary["qad"]["perplexity"]["mean"] == pytest.approx(11.1)
     assert summary["qad_beats_qat_every_seed"] is False
+    assert summary["qad_closer_to_teacher_than_qat_every_seed"] is True
     assert qad_quality.recovered({**seed, "ptq": {"perplexity": 10.0}}) is None  # no gap: nothing to recover

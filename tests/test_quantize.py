@@ -78,9 +78,9 @@ def test_a_run_config_builds_the_typed_setting_and_refuses_a_bad_one():
 # ---- refusals, from the plan ----------------------------------------------------------------------------------
 
 
-def _plan(teacher_dir: Path, student: StudentSpec, **training) -> None:
-    make_plan([student], [TeacherSpec(name="t", model=str(teacher_dir))], training=TrainingConfig(**training),
-              world_size=1)
+def _plan(teacher_dir: Path, student: StudentSpec, output_dir: Path | None = None) -> None:
+    make_plan([student], [TeacherSpec(name="t", model=str(teacher_dir))], training=TrainingConfig(), world_size=1,
+              output_dir=output_dir)
 
 
 def test_every_bad_quantized_student_is_refused_by_the_plan_at_once(teacher_dir, tmp_path):
@@ -89,7 +89,7 @@ def test_every_bad_quantized_student_is_refused_by_the_plan_at_once(teacher_dir,
     spec = StudentSpec(name="q", model=str(teacher_dir), quantize=QuantizeConfig("int4_weight_only", 32),
                        peft={"r": 4}, ds_overrides={"zero_optimization.stage": 3})
     with pytest.raises(ConfigError) as err:
-        _plan(teacher_dir, spec)
+        _plan(teacher_dir, spec, output_dir=tmp_path / "run")
     message = str(err.value)
     assert "students[q].quantize: quantize.group_size 32 does not divide the input width of every quantised layer " \
            "(widths [32, 48]; [48] are not multiples): set quantize.group_size to one that divides them all (16, 8)" \
@@ -102,7 +102,7 @@ def test_every_bad_quantized_student_is_refused_by_the_plan_at_once(teacher_dir,
                                               r"no CUDA GPU; schemes that run here: int4_weight_only, "
                                               r"int8_dynamic_act_int4_weight$"):
             _plan(teacher_dir, fp8)
-    assert not (tmp_path / "anything").exists()
+    assert not (tmp_path / "run").exists()  # refused from the plan: no folder, no checkpoint written
 
 
 def test_nvfp4_off_blackwell_and_a_conv1d_student_are_refused_with_what_can_run(teacher_dir):
