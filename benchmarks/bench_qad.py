@@ -126,7 +126,8 @@ def decode(model: torch.nn.Module, scheme: str | None, args: argparse.Namespace,
         quantize.save(quantize.prepare(source, spec), spec, folder)
     del source
     fresh_memory()
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device()).eval()
+    # straight onto the device: FP8 and FP4 tensors are not built on a CPU
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device().type).eval()
     if args.compile:
         loaded.forward = torch.compile(loaded.forward, mode="max-autotune-no-cudagraphs")
     prompt = torch.randint(0, model.config.vocab_size, (args.decode_batch, 32),

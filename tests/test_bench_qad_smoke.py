@@ -44,3 +44,4 @@ def test_the_share_of_the_ptq_gap_qad_recovers():
     assert summary["qad_beats_qat_every_seed"] is False
     assert summary["qad_closer_to_teacher_than_qat_every_seed"] is True
     assert qad_quality.recovered({**seed, "ptq": {"perplexity": 10.0}}) is None  # no gap: nothing to recover
+    assert qad_quality.recovered({**seed, "ptq": {"perplexity": 10.00001}}) is None  # below evaluation resolution
