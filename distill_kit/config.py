@@ -380,6 +380,32 @@ class AdapterConfig:
             raise ValueError("peft.target_modules is empty: name the layers to adapt, or use 'all-linear'")
 
 
+QuantScheme = Literal["int4_weight_only", "int8_dynamic_act_int4_weight", "fp8", "nvfp4", "mxfp4"]
+QUANT_SCHEMES = ("int4_weight_only", "int8_dynamic_act_int4_weight", "fp8", "nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """A student trained with its decoder layers' linear layers fake-quantised (torchao's quantization-aware
+    training) and exported as real low-bit weights (``engines/quantize.py``; docs/quantized_students.md)."""
+
+    scheme: QuantScheme = "int4_weight_only"
+    """int4_weight_only (int4 weights, a scale per group of group_size inputs, bf16/fp32 activations: any device),
+    int8_dynamic_act_int4_weight (the same weights, and each token's activations in int8: any device), fp8 (e4m3
+    weights and activations, a scale per row: a CUDA GPU of compute capability 8.9+), nvfp4 or mxfp4 (4-bit floats
+    in blocks of 16 or 32: Blackwell, compute capability 10.0+)."""
+    group_size: int = 128
+    """Inputs sharing one int4 scale (the int4 schemes): smaller groups follow the weights more closely and store
+    more scales. Must divide the input width of every quantised layer (hidden_size, intermediate_size, the
+    attention width); nvfp4 and mxfp4 use their formats' own blocks (16, 32)."""
+
+    def __post_init__(self) -> None:
+        if self.scheme not in QUANT_SCHEMES:
+            raise ValueError(f"quantize.scheme: {self.scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
+        if self.group_size < 1:
+            raise ValueError(f"quantize.group_size: {self.group_size}; give a whole number >= 1 (e.g. 32, 128)")
+
+
 @dataclass(frozen=True)
 class FromTeacherConfig:
     """How a student is cut out of its teacher. Depth: at most one of layers, every, first, last (none keeps every
@@ -647,6 +673,9 @@ class StudentSpec:
     init_from_teacher: FromTeacherConfig | None = None
     """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
     activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""
+    quantize: QuantizeConfig | None = None
+    """Train the student fake-quantised in a low-bit scheme {scheme, group_size} and export it as real low-bit
+    weights (quantization-aware distillation; docs/quantized_students.md); None trains and exports it as it is."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, "student")
@@ -658,6 +687,8 @@ class StudentSpec:
                              "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
         if isinstance(self.peft, Mapping):
             object.__setattr__(self, "peft", build(AdapterConfig, self.peft, "peft."))
+        if isinstance(self.quantize, Mapping):
+            object.__setattr__(self, "quantize", build(QuantizeConfig, self.quantize, "quantize."))
         if isinstance(self.init_from_teacher, Mapping):
             object.__setattr__(self, "init_from_teacher", build(FromTeacherConfig, self.init_from_teacher,
                                                                 "init_from_teacher."))

@@ -22,7 +22,7 @@ from distill_kit.config import StudentSpec, import_subclass
 from distill_kit.data import blocks, chat
 from distill_kit.data.corpus import write_corpus
 from distill_kit.distiller import Distiller
-from distill_kit.engines import deepspeed_config, distributed, models
+from distill_kit.engines import deepspeed_config, distributed, models, quantize
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.errors import CheckpointError, ConfigError, StepFault
 from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
@@ -365,7 +365,7 @@ def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: A
     """The report phase: each student exported, ``report.json`` and its table; the summary on every rank."""
     students.export(out / "students", tokenizer)
     teachers = teacher_records(config, students)  # on every rank: a ZeRO-3 teacher's hash gathers its shards
-    summary = None
+    summary, quantized = None, {}
     if distributed.is_main():
         losses = {s.name: s.loss for s in config.students}
         histories = {s.name: [{"step": r["step"], "loss": r[f"{s.name}/loss"]}
@@ -378,6 +378,9 @@ def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: A
                  "deepspeed_configs": {"students": {name: s.ds_config for name, s in students.students.items()},
                                        "teachers": students.teachers.ds_configs},
                  "teachers": teachers}
+        quantized = {s.name: quantize.export_record(out / "students" / s.name, s.quantize)
+                     for s in config.students if s.quantize is not None}  # engines/quantize.py: size on disk
+        extra |= {"quantized_exports": quantized} if quantized else {}
         inits = {s.name: "teacher" if s.init_from_teacher else "pretrained" if s.model else "random"
                  for s in config.students}
         summary = report.write(out, params, losses, histories, log.evaluations(), extra, inits)
@@ -386,6 +389,9 @@ def write_report(config: RunConfig, students: Distiller, out: Path, tokenizer: A
         summary = harness.add_to_report(out, harness.evaluate_run(out, config.eval.harness)) or summary
     if distributed.is_main():
         print(report.table(summary))
+        for name, record in quantized.items():
+            print(f"{name}: {record['scheme']} export, {record['weight_bytes'] / 2**20:.1f} MiB of weights on disk "
+                  f"({record['bf16_bytes'] / 2**20:.1f} MiB in bf16)")
         print(f"report: {out / 'report.json'}, curves: {out / 'loss_curves.png'}, students: {out / 'students'}")
     return distributed.broadcast_object(summary)
 

@@ -13,7 +13,7 @@ from typing import Any
 import deepspeed
 from torch import nn
 
-from distill_kit.engines import distributed, peft_student
+from distill_kit.engines import distributed, peft_student, quantize
 from distill_kit.engines.models import active_transformers_config
 
 
@@ -22,9 +22,15 @@ def export_student(model: nn.Module, directory: str | Path, tokenizer: Any | Non
     """Save ``model`` (the bare student, without loss parameters) and its tokenizer to ``directory``.
 
     A PEFT student (stage 0-2: whole on every rank) is written as its adapter folder, and with ``merged`` also
-    as the merged model in ``directory/merged`` (``engines/peft_student.py``).
+    as the merged model in ``directory/merged`` (``engines/peft_student.py``). A quantized student is converted to
+    its real low-bit weights and written with its ``quantization_config`` (``engines/quantize.py``).
     """
     directory = Path(directory)
+    if (scheme := quantize.quantize_of(model)) is not None:  # ZeRO 0-2 (the plan's rule): whole on every rank
+        if distributed.is_main():
+            quantize.save(model, scheme, directory, tokenizer)
+        distributed.barrier()
+        return directory
     if peft_student.is_peft(model):
         if distributed.is_main():
             peft_student.export(model, directory, tokenizer, merged)

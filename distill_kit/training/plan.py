@@ -21,7 +21,7 @@ from torch import nn
 
 from distill_kit.config import DeepSpeedSettings, StudentSpec, TeacherSpec, TrainingConfig, check_names
 from distill_kit.data import chat
-from distill_kit.engines import fp8, head, kernels, models, peft_student
+from distill_kit.engines import fp8, head, kernels, models, peft_student, quantize
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.students import from_teacher
@@ -201,6 +201,10 @@ def make_plan(
                 peft_student.check_targets(adapters[spec.name], student_configs[spec.name])
             except (ImportError, TypeError, ValueError) as err:
                 problems.append(f"students[{spec.name}].peft: {err}")
+        if spec.quantize is not None and spec.name in student_ds:  # engines/quantize.py: device, torchao, layers
+            problems += [f"students[{spec.name}].quantize: {problem}" for problem in quantize.problems(
+                spec.quantize, student_configs[spec.name], zero_stage=zero_stage(student_ds[spec.name]),
+                peft=spec.peft is not None, module=spec.model if isinstance(spec.model, nn.Module) else None)]
     speculative = speculative if speculative is not None and speculative.on else None
     if speculative is not None:
         problems += drafter_problems(students, teachers, cards, student_configs, vocab_map)

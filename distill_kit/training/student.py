@@ -16,7 +16,7 @@ from torch import nn
 
 from distill_kit.config import StudentSpec, TrainingConfig
 from distill_kit.data.chat import packed_model_inputs
-from distill_kit.engines import fp8, kernels, models, peft_student
+from distill_kit.engines import fp8, kernels, models, peft_student, quantize
 from distill_kit.engines.build import build_student
 from distill_kit.engines.head import why_not_fused
 from distill_kit.training.export import export_student
@@ -46,6 +46,8 @@ class Student:
         self.training = training
         self.export_merged = peft_student.wants_merged_export(spec.peft)
         model = models.load(spec.model, ds_config, training.dtype, loss.needs_attentions, config=config)
+        if spec.quantize is not None and quantize.quantize_of(model) is None:  # fake-quantised before any kernel
+            quantize.prepare(model, spec.quantize)
         kernels.apply(model, student_kernels(training.student_kernels, training.on_policy), "training.student_kernels",
                       liger=kernels.beside(fp8.run_teacher_kernels(training)))
         if adapters is not None:

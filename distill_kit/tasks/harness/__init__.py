@@ -261,6 +261,8 @@ def _evaluate(model: Model, config: HarnessConfig, manager, out: Path) -> dict[s
     import torch
     from lm_eval.models.huggingface import HFLM
 
+    from distill_kit.engines import quantize
+
     started = time.perf_counter()
     tokenizer = model.tokenizer or (model.peft if model.peft else model.path)
     chat = config.apply_chat_template if config.apply_chat_template is not None else has_chat_template(tokenizer)
@@ -270,9 +272,10 @@ def _evaluate(model: Model, config: HarnessConfig, manager, out: Path) -> dict[s
                   use_safetensors=True)
     except OSError as err:  # e.g. a hub name not in the cache while offline
         raise ConfigError(f"{model.role} {model.name!r}: the harness could not load {model.path}: {err}") from None
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(config.tasks), num_fewshot=config.num_fewshot,
-                                      limit=config.limit, task_manager=manager, apply_chat_template=chat,
-                                      fewshot_as_multiturn=chat, log_samples=True, confirm_run_unsafe_code=False)
+    with quantize.unpatched_linear():  # a quantized student's low-bit weights after a ZeRO-3 teacher's F.linear patch
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(config.tasks), num_fewshot=config.num_fewshot,
+                                          limit=config.limit, task_manager=manager, apply_chat_template=chat,
+                                          fewshot_as_multiturn=chat, log_samples=True, confirm_run_unsafe_code=False)
     del lm
     gc.collect()
     if torch.cuda.is_available():
