@@ -466,3 +466,37 @@ def test_a_server_that_turns_bad_mid_run_stops_it_after_the_last_whole_step_and_
     assert summary is not None and (out / "report.json").is_file()
     assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
+
+
+def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it():
+    """payload: hidden (issue 41): the binary body's framing, tokens, width, dtype, length and every value; a scale
+    whose logits would overflow; a head whose bytes do not hash to the server's head_sha256."""
+    prompts = [[5, 6, 7], [8, 9]]
+    good = torch.randn(3, 4)
+    body = protocol.encode_hidden(prompts, good)
+    assert torch.equal(protocol.decode_hidden(body, prompts, 4, "float32"), good)
+    bad = good.clone()
+    bad[2, 1] = float("nan")
+    refusals = {b"<html>502</html>": "not a distill_kit body", body[:-1]: "cut off or padded",
+                body + b"\0" * 4: "cut off or padded", protocol.encode_hidden(prompts, bad): r"hidden\[2\] holds a NaN"}
+    for answer, match in refusals.items():
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_hidden(answer, prompts, 4, "float32")
+    for args, match in (((prompts, 5, "float32"), "hidden_size is 4"), ((prompts, 4, "bfloat16"), "dtype is"),
+                        (([[5, 6, 7], [8, 10]], 4, "float32"), "other tokens")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_hidden(body, *args)
+    protocol.check_hidden_scale(good, 1.0, 0.0, torch.float32)
+    with pytest.raises(TeacherResponseError, match=r"hidden\[0\] .* could overflow float32"):
+        protocol.check_hidden_scale(torch.full((1, 4), 1e30), 1e9, 0.0, torch.float32)
+    weight = torch.randn(6, 4).to(torch.bfloat16)
+    sha = protocol.head_digest(weight, None)
+    head = protocol.encode_head(weight, None)
+    got, bias = protocol.decode_head(head, (6, 4), "bfloat16", sha)
+    assert torch.equal(got, weight) and bias is None
+    flipped = bytearray(head)
+    flipped[-1] ^= 1
+    with pytest.raises(TeacherResponseError, match="do not hash to the head_sha256"):
+        protocol.decode_head(bytes(flipped), (6, 4), "bfloat16", sha)
+    with pytest.raises(TeacherResponseError, match=r"says \{\"shape\": \[6, 4\].*said shape \[7, 4\]"):
+        protocol.decode_head(head, (7, 4), "bfloat16", sha)

@@ -440,9 +440,9 @@ class ServedTeacher(Teacher):
             problems.append(f"{named.option('k')} = {opts['k']}: the server gives at most {info['max_k']} "
                             "(serve_teacher.py --max-k, vllm serve --max-logprobs)")
         local = opts["tokenizer"]
-        if local is not None:
-            from distill_kit.engines.models import has_tokenizer
+        from distill_kit.engines.models import has_tokenizer
 
+        if local is not None:
             if not has_tokenizer(local):
                 problems.append(f"{named.option('tokenizer')} {local!r} holds no tokenizer (tokenizer.json or "
                                 "tokenizer_config.json); give the folder of the server's model's tokenizer")
@@ -450,8 +450,6 @@ class ServedTeacher(Teacher):
                 problems.append(f"the server's tokenizer (vocabulary sha256 {info['tokenizer_sha256'][:12]}) is not "
                                 f"{named.option('tokenizer')}'s ({local!r}: {ours[:12]}): serve a model with this "
                                 f"run's tokenizer, or point {named.option('tokenizer')} at the server model's")
-        if problems:
-            raise ConfigError(f"{named.model}: " + "; ".join(problems))
         config = _config(info.get("config"))
         text = config.get_text_config() if config is not None else None
         vocab = info.get("vocab_size") or (getattr(text, "vocab_size", None) if text is not None else None)

@@ -576,8 +576,9 @@ def decode_head(body: bytes, shape: tuple[int, int], dtype: str,
     and its bytes hash to ``sha256`` (what the server's ``/info`` said), every value finite."""
     header, start = _unframe(body, HEAD_MAGIC, "/v1/head")
     if header.get("shape") != list(shape) or header.get("dtype") != dtype:
-        raise TeacherResponseError(f"the /v1/head header says {_shown(header.get('shape'))} "
-                                   f"{_shown(header.get('dtype'))}; the server's /info said {list(shape)} {dtype}")
+        said = json.dumps({"shape": header.get("shape"), "dtype": header.get("dtype")}, default=str)[:120]
+        raise TeacherResponseError(f"the /v1/head header says {said}; the server's /info said shape "
+                                   f"{list(shape)}, dtype {dtype}")
     bias = header.get("bias")
     if not isinstance(bias, bool):
         raise TeacherResponseError(f"the /v1/head header's bias is {_shown(bias)} where true or false belongs")
