@@ -492,6 +492,41 @@ def test_what_payload_hidden_cannot_have_is_refused_before_anything_is_built(ser
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_teacher"]  # nothing else written
 
 
+def test_a_sampled_store_captured_through_the_servers_hidden_states_draws_what_the_teacher_gives(server, reference,
+                                                                                                   tmp_path):
+    """--targets sampled from a URL: the server sends hidden states, the client applies the head and draws, seeded
+    by each micro-batch's tokens as the in-process capture is (``offline/capture.py:targets_of``). Against the
+    reference's own logits on the same micro-batches: the same draws (ids and counts; a draw could only move if a
+    probability sat within float32 rounding of its uniform's boundary) and log-probabilities within 1e-4, the vLLM
+    test's float32 bound: the head is applied to a (B, T + 1, H) batch here (the token sent after each block's end)
+    and to (B, T, H) in process, whose matmuls may sum in another order."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from distill_kit.offline.capture import CaptureConfig, targets_of
+    from distill_kit.offline.captured_teacher import CapturedTeacher
+    from distill_kit.teachers import served_capture
+
+    ids = torch.randint(1, 1024, (3, T), generator=torch.Generator().manual_seed(12))
+    mask = (torch.arange(T)[None] < torch.tensor([T, T // 2, T - 3])[:, None]).long()
+    ids = ids * mask
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                                         "labels": ids.masked_fill(mask == 0, -100).tolist()})
+    config = CaptureConfig(k=16, values_dtype="fp32", micro_batch_size=2, batches_per_part=4, dtype="fp32",
+                           targets="sampled", temperature=1.5)
+    manifest = served_capture.capture(server.url, AutoTokenizer.from_pretrained(TEACHER), blocks, tmp_path / "store",
+                                      config, {"api_key_env": KEY_ENV, "rows_per_request": B})
+    assert (manifest.spec.targets, manifest.spec.temperature, manifest.complete) == ("sampled", 1.5, True)
+    got = CapturedTeacher(tmp_path / "store")(input_ids=ids, attention_mask=mask).logits
+    for rows in (slice(0, 2), slice(2, 3)):  # the capture's micro-batches
+        with torch.no_grad():
+            logits = reference(input_ids=ids[rows], attention_mask=mask[rows]).logits
+        keep = mask[rows].bool()
+        values, drawn, counts = targets_of(logits[keep], ids[rows], config)
+        assert torch.equal(got.ids[rows][keep], drawn) and torch.equal(got.counts[rows][keep], counts.to(torch.uint8))
+        torch.testing.assert_close(got.log_probs[rows][keep], values, rtol=0, atol=1e-4)
+
+
 def test_a_bad_hidden_state_answer_is_refused_never_trained_on(server):
     served = hidden_teacher(server.url, rows_per_request=B)
     try:
