@@ -217,6 +217,8 @@ class Transport:
         self.client = httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(
             None, connect=min(10.0, deadline or 10.0)))
         self.slots = asyncio.Semaphore(opts["max_in_flight"])
+        self.received = 0
+        """Bytes of answers read whole (the benchmarks' bytes on the wire)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="served-teacher", daemon=True)
         self.thread.start()
@@ -253,6 +255,7 @@ class Transport:
                 if size > cap:
                     raise self.too_large(f"{size} bytes read")
                 chunks.append(chunk)
+            self.received += size
             return reply.status_code, b"".join(chunks)
 
     def too_large(self, seen: str) -> TeacherResponseError:
