@@ -114,16 +114,6 @@ def run(args: argparse.Namespace) -> Manifest:
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if not served:
-        from distill_kit.engines.models import model_config
-
-        try:
-            vocab = getattr(model_config(args.teacher).get_text_config(), "vocab_size", None)
-        except FileNotFoundError as err:
-            raise ConfigError(f"--teacher: {err}") from None
-        if vocab is not None and args.k > vocab:
-            raise ConfigError(f"--k {args.k}: above the teacher's vocabulary ({vocab} tokens); give --k {vocab} or "
-                              "less")
     # The folder, before anything loads (every rank, before any rank can write): what the arguments fix already.
     known = {"teacher": args.teacher, "k": args.k, "targets": args.targets, "temperature": args.temperature,
              "values_dtype": args.values_dtype,
@@ -132,6 +122,16 @@ def run(args: argparse.Namespace) -> Manifest:
     problem = out_problem(args.out, known)
     if problem:
         raise ConfigError(problem)
+    if not served:  # K past the vocabulary, from the config alone (a missing folder is the load's to report)
+        from distill_kit.engines.models import model_config
+
+        try:
+            vocab = getattr(model_config(args.teacher).get_text_config(), "vocab_size", None)
+        except (FileNotFoundError, OSError, ValueError):
+            vocab = None
+        if vocab is not None and args.k > vocab:
+            raise ConfigError(f"--k {args.k}: above the teacher's vocabulary ({vocab} tokens); give --k {vocab} or "
+                              "less")
     distributed.init()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
     data = DataConfig(train=args.data, heldout=args.heldout, heldout_fraction=args.heldout_fraction,

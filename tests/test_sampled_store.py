@@ -122,3 +122,21 @@ def test_a_sampled_store_reads_back_as_sampled_targets_and_the_plan_refuses_what
                        ({"temperature": 0.0, "targets": "sampled"}, "temperature must be > 0")):
         with pytest.raises(ValueError, match=match):
             CaptureConfig(**bad)
+
+
+def test_the_capture_script_refuses_k_past_the_vocabulary_or_the_counts_byte_before_anything_loads(tmp_path,
+                                                                                                   monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("capture_teacher", ROOT / "scripts/capture_teacher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for extra, match in ((["--k", "2000"], r"--k 2000: above the teacher's vocabulary \(1024 tokens\); give --k 1024"),
+                         (["--targets", "sampled", "--k", "300"], "<= 255 for a sampled store"),
+                         (["--temperature", "2"], "a top-k store keeps log-probabilities at temperature 1")):
+        monkeypatch.setattr(sys, "argv", ["capture_teacher.py", "--teacher", str(TEACHER), "--data", "x.txt",
+                                          "--out", str(tmp_path / "store"), *extra])
+        with pytest.raises(ConfigError, match=match):
+            module.run(module.parse_args())
+    assert not (tmp_path / "store").exists()
