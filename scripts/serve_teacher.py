@@ -106,7 +106,7 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     from distill_kit.engines.head import EXACT_HEADS
     from distill_kit.teachers import served_protocol as protocol
 
-    payloads = ["top_k"]
+    payloads = ["top_k", "sampled"]
     head = model.get_output_embeddings()
     if getattr(config, "model_type", None) in EXACT_HEADS and isinstance(head, torch.nn.Linear):
         payloads.append("hidden")  # logits are exactly head(final hidden state): the client may apply the head

@@ -500,3 +500,35 @@ def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it(
         protocol.decode_head(bytes(flipped), (6, 4), "bfloat16", sha)
     with pytest.raises(TeacherResponseError, match=r"says \{\"shape\": \[6, 4\].*said shape \[7, 4\]"):
         protocol.decode_head(head, (7, 4), "bfloat16", sha)
+
+
+def test_a_sampled_answer_is_checked_whole_before_the_loss_sees_it():
+    """payload: sampled (issue 41): counts that do not sum to k, an id outside the vocabulary or repeated, a
+    log-probability above 0 or -inf in a used slot, another k or temperature, a cut-off body: each refused."""
+    prompts, k = [[5, 6, 7]], 3
+    ids = np.array([[4, 9, 0], [2, 3, 7]], dtype=np.int32)
+    values = np.log(np.array([[0.5, 0.1, 1.0], [0.2, 0.3, 0.1]], dtype=np.float32))
+    counts = np.array([[2, 1, 0], [1, 1, 1]], dtype=np.uint8)
+    good = protocol.encode_sample(prompts, k, 1.0, ids, values, counts)
+    (parsed,) = protocol.decode_sample(good, prompts, k, 1.0, VOCAB)
+    assert np.array_equal(parsed[0], ids) and np.array_equal(parsed[2], counts)
+
+    def changed(array: str, where: tuple, value: float) -> bytes:
+        arrays = {"ids": ids.copy(), "values": values.copy(), "counts": counts.copy()}
+        arrays[array][where] = value
+        return protocol.encode_sample(prompts, k, 1.0, arrays["ids"], arrays["values"], arrays["counts"])
+
+    for body, match in ((changed("counts", (0, 0), 3), "position 0, slot 0: counts that do not sum to k"),
+                        (changed("ids", (1, 2), VOCAB), "position 1, slot 2: an id outside the vocabulary"),
+                        (changed("ids", (1, 1), 2), "position 1, slot 1: an id given twice"),
+                        (changed("values", (0, 1), 0.5), "position 0, slot 1: a log-probability that is not finite"),
+                        (changed("values", (1, 0), -np.inf), "position 1, slot 0: a log-probability"),
+                        (good[:-1], "cut off or padded"), (b"<html>", "not a distill_kit body")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_sample(body, prompts, k, 1.0, VOCAB)
+    for args, match in (((prompts, 4, 1.0), "k and temperature"), ((prompts, k, 2.0), "k and temperature"),
+                        (([[5, 6, 8]], k, 1.0), "other tokens")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_sample(good, *args, VOCAB)
+    # an unused slot (count 0) may hold anything: the loss gives it weight 0
+    protocol.decode_sample(changed("values", (0, 2), 7.0), prompts, k, 1.0, VOCAB)

@@ -527,6 +527,33 @@ def test_a_sampled_store_captured_through_the_servers_hidden_states_draws_what_t
         torch.testing.assert_close(got.log_probs[rows][keep], values, rtol=0, atol=1e-4)
 
 
+def test_sampled_tokens_from_the_server_are_draws_of_the_teachers_distribution(server, reference):
+    """payload: sampled: K = 12 draws at T = 1.5 a position, their counts summing to K, their log-probabilities the
+    reference's log_softmax(logits / T) within 1e-4 (the vLLM test's float32 bound: the server's forward may sum in
+    another order), the same answer to the same request (seeded by its tokens); forward KL at T reads them."""
+    from distill_kit.teachers.base import SAMPLED
+
+    served = teacher(server.url, payload="sampled", k=12, temperature=1.5, rows_per_request=B)
+    assert served.card.outputs == frozenset({SAMPLED}) and served.card.sample_temperature == 1.5
+    batch = batches(1, seed=21)[0]
+    keep = counted(batch)
+    got = served(**batch).logits
+    again = served(**batch).logits
+    assert torch.equal(got.ids, again.ids) and torch.equal(got.counts, again.counts)
+    assert bool((got.counts.sum(-1)[keep] == 12).all()) and not got.counts[~keep].any()
+    with torch.no_grad():
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    log_p = torch.log_softmax(logits / 1.5, -1).gather(-1, got.ids)
+    used = got.counts > 0
+    torch.testing.assert_close(got.log_probs[used], log_p[used], rtol=0, atol=1e-4)
+    student = SimpleNamespace(logits=torch.randn(B, T, 1024, generator=torch.Generator().manual_seed(2)))
+    loss = build_loss({"name": "forward_kl", "temperature": 1.5})(student, SimpleNamespace(logits=got), batch)
+    assert torch.isfinite(loss.total)
+    with pytest.raises(ConfigError, match="temperature 2: only payload: sampled draws at a temperature"):
+        describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "temperature": 2}))
+    served.close()
+
+
 def test_a_bad_hidden_state_answer_is_refused_never_trained_on(server):
     served = hidden_teacher(server.url, rows_per_request=B)
     try:

@@ -41,6 +41,9 @@ Options (``TeacherSpec.options``), with their defaults:
 * ``head`` (none): the teacher's ``save_pretrained`` folder to read the head from (its head's tensors only); none:
   fetched from the server once (``GET /v1/head``). Either way its sha256 must equal the server's ``head_sha256``:
   another head is refused before anything is written.
+* ``payload: sampled`` with ``temperature`` (1.0): ``k`` tokens drawn from the teacher at ``temperature`` per position
+  (``/v1/sample``, 9 k bytes), read by forward KL at that temperature as an unbiased estimate (RS-KD), as a sampled
+  store is (``offline/store.py``); the plan refuses other losses and temperatures.
 
 Every answer is checked before anything trains on it (``served_protocol.parse``: JSON types, counts, shapes, ids
 inside the vocabulary, log-probabilities finite-or--inf and <= 0, masses <= 1); one that fails raises
@@ -74,21 +77,23 @@ from distill_kit.config import TeacherSpec
 from distill_kit.engines.head import GatheredHead
 from distill_kit.errors import ConfigError, TeacherFault
 from distill_kit.teachers import served_protocol as protocol
-from distill_kit.teachers.base import HEAD, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.base import HEAD, SAMPLED, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.kinds import is_url
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
 from distill_kit.teachers.tokenizers import vocabulary_sha256
 from losses.fused import HeadOutput
-from losses.sparse import SparseTeacherLogits
+from losses.sparse import SampledTeacherLogits, SparseTeacherLogits
 
 LOG = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokenizer": None, "api_key_env": None,
                             "timeout_s": 120.0, "wait_s": 300.0, "retries_s": 600.0, "rows_per_request": 8,
-                            "max_in_flight": 4, "max_response_bytes": 256 << 20, "payload": "top_k", "head": None}
-PAYLOADS = ("top_k", "hidden")
-"""What a served teacher sends a position: its top-k log-probabilities (every server), or its final hidden state, to
-which the client applies the teacher's head at the loss (the whole distribution; the project's server only)."""
+                            "max_in_flight": 4, "max_response_bytes": 256 << 20, "payload": "top_k", "head": None,
+                            "temperature": 1.0}
+PAYLOADS = ("top_k", "hidden", "sampled")
+"""What a served teacher sends a position: its top-k log-probabilities (every server); its final hidden state, to
+which the client applies the teacher's head at the loss (the whole distribution); or k tokens drawn from it at
+``temperature`` (forward KL's unbiased estimate). The last two: the project's server only."""
 # max_response_bytes: the defaults' 8 rows of 2,048 tokens at k = 20 are 2.7 MB from /v1/topk (8 bytes an id and
 # value) and ~26 MB as vLLM's JSON (k + 1 entries of ~75 bytes a position); 256 MiB leaves ~10x that for longer rows
 # or a larger k, and bounds the memory max_in_flight answers can take. Past it: lower rows_per_request.
@@ -179,6 +184,14 @@ def options_of(spec: TeacherSpec) -> dict[str, Any]:
             problems.append(f"{name} must be a number of seconds >= 0, got {opts[name]!r}")
     if opts["payload"] not in PAYLOADS:
         problems.append(f"payload {opts['payload']!r}: choose one of {', '.join(PAYLOADS)}")
+    temperature = opts["temperature"]
+    if not (isinstance(temperature, int | float) and not isinstance(temperature, bool) and 0 < temperature < 1e6):
+        problems.append(f"temperature must be a number > 0, got {temperature!r}")
+    if opts["payload"] != "sampled" and temperature != 1.0:
+        problems.append(f"temperature {temperature!r}: only payload: sampled draws at a temperature (top-k "
+                        "log-probabilities come at 1 and the loss applies its own; payload: hidden is exact at any)")
+    if opts["payload"] == "sampled" and isinstance(opts["k"], int) and opts["k"] > 255:
+        problems.append(f"k = {opts['k']}: payload: sampled draws 1 to 255 tokens a position (counts are one byte)")
     if opts["head"] is not None and not isinstance(opts["head"], str | Path):
         problems.append(f"head must be the teacher's folder (a path), got {opts['head']!r}")
     if not isinstance(opts["tail"], bool):
@@ -388,14 +401,20 @@ _HEADS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
 def _payload_problems(opts: Mapping[str, Any], info: Mapping[str, Any], named: Labels) -> list[str]:
     """What ``payload: hidden`` cannot have of this server: another API (vLLM, SGLang serve top-k log-probabilities
     only), a model whose logits are not its head's output, a local head other than the server's (by sha256)."""
-    if opts["payload"] != "hidden":
+    payload = opts["payload"]
+    if payload == "top_k":
         return []
     option = named.option("payload")
     if opts["api"] != "distill_kit":
         field = "prompt_logprobs" if opts["api"] == "vllm" else "input_top_logprobs"
-        return [f"{option}: hidden: a {opts['api']} server serves top-k log-probabilities ({field}), not hidden "
-                f"states: use {option}: top_k (k up to its --max-logprobs), or serve the teacher with "
-                "scripts/serve_teacher.py for payload: hidden"]
+        what = "hidden states" if payload == "hidden" else "sampled tokens"
+        return [f"{option}: {payload}: a {opts['api']} server serves top-k log-probabilities ({field}), not {what}: "
+                f"use {option}: top_k (k up to its --max-logprobs), or serve the teacher with "
+                f"scripts/serve_teacher.py for payload: {payload}"]
+    if payload == "sampled":
+        return [] if "sampled" in (info.get("payloads") or []) else [
+            f"{option}: sampled: the server gives no sampled tokens (its /info payloads: "
+            f"{info.get('payloads') or ['top_k']}): a server that predates them; use payload: top_k"]
     if "hidden" not in (info.get("payloads") or []) or not info.get("head_sha256") or not info.get("hidden_size"):
         return [f"{option}: hidden: the server gives no hidden states (its /info payloads: "
                 f"{info.get('payloads') or ['top_k']}): its model's logits are not exactly its head's output "
@@ -437,9 +456,9 @@ class ServedTeacher(Teacher):
         url = str(spec.model).rstrip("/")
         info = server_info(url, opts, named)
         problems = []
-        hidden = opts["payload"] == "hidden"
+        hidden, sampled = opts["payload"] == "hidden", opts["payload"] == "sampled"
         problems += _payload_problems(opts, info, named)
-        if not hidden and info.get("max_k") is not None and opts["k"] > int(info["max_k"]):
+        if not hidden and info.get("max_k") is not None and opts["k"] > int(info["max_k"]):  # top_k, sampled
             problems.append(f"{named.option('k')} = {opts['k']}: the server gives at most {info['max_k']} "
                             "(serve_teacher.py --max-k, vllm serve --max-logprobs)")
         local = opts["tokenizer"]
@@ -465,7 +484,7 @@ class ServedTeacher(Teacher):
                             f"k <= {vocab} (or payload: hidden for the whole distribution)")
         if problems:
             raise ConfigError(f"{named.model}: " + "; ".join(problems))
-        outputs = {HEAD} if hidden else {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
+        outputs = {HEAD} if hidden else {SAMPLED} if sampled else {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
         return ServedCard(
             kind=cls.kind, source=url, outputs=frozenset(outputs), can_generate=False, vocab_size=vocab,
             tokenizer=str(local) if local is not None else None, positions=info.get("max_model_len"),
@@ -476,7 +495,8 @@ class ServedTeacher(Teacher):
             payload=opts["payload"], head_sha256=info.get("head_sha256") if hidden else None,
             head_dtype=info.get("hidden_dtype") if hidden else None,
             head_shape=(int(vocab), int(info["hidden_size"])) if hidden and vocab else None,
-            head_bias=bool(info.get("head_bias")) if hidden else False)
+            head_bias=bool(info.get("head_bias")) if hidden else False,
+            sample_temperature=float(opts["temperature"]) if sampled else None)
 
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         super().__init__(spec, card, setup)
@@ -560,6 +580,8 @@ class ServedTeacher(Teacher):
         if self.payload == "hidden":
             return HeadOutput(hidden=self._assemble_hidden(inputs, segments, [t for part in answers for t in part]),
                               head=self.head)
+        if self.payload == "sampled":
+            return ServedOutput(self._assemble_sampled(inputs, segments, [t for part in answers for t in part]))
         return ServedOutput(self._assemble(inputs, segments, [t for part in answers for t in part]))
 
     def _send(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[int, np.ndarray]], list[Future]]:
@@ -597,6 +619,20 @@ class ServedTeacher(Teacher):
             out[row, torch.as_tensor(positions[:-1])] = rows
         return out.to(self.device, non_blocking=True)
 
+    def _assemble_sampled(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                          drawn: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> SampledTeacherLogits:
+        """(B, T, k) draws at each segment's positions but its last; zeros (count 0) elsewhere."""
+        batch, length = inputs["input_ids"].shape
+        ids = np.zeros((batch, length, self.k), dtype=np.int64)
+        values = np.zeros((batch, length, self.k), dtype=np.float32)
+        counts = np.zeros((batch, length, self.k), dtype=np.uint8)
+        for (row, _, positions), (got_ids, got_values, got_counts) in zip(segments, drawn, strict=True):
+            where = positions[:-1]
+            ids[row, where], values[row, where], counts[row, where] = got_ids, got_values, got_counts
+        to = {"device": self.device}
+        return SampledTeacherLogits(torch.from_numpy(values).to(**to), torch.from_numpy(ids).to(**to),
+                                    torch.from_numpy(counts).to(**to), float(self.opts["temperature"]))
+
     # ----------------------------------------------------------------------------------------- one request
 
     async def _request(self, prompts: list[list[int]]) -> list[PromptTargets]:
@@ -606,6 +642,9 @@ class ServedTeacher(Teacher):
 
         if self.payload == "hidden":
             body, path = {"prompts": prompts}, "/v1/hidden"
+        elif self.payload == "sampled":
+            body = {"prompts": prompts, "k": self.k, "temperature": float(self.opts["temperature"])}
+            path = "/v1/sample"
         else:
             body = protocol.request_body(self.api, prompts, self.k, self.served_model)
             path = protocol.ENDPOINTS[self.api]
@@ -625,6 +664,9 @@ class ServedTeacher(Teacher):
                                                f"{content[:300].decode('utf-8', 'replace')}")
                 if self.payload == "hidden":
                     return self._hidden(content, prompts)
+                if self.payload == "sampled":
+                    return protocol.decode_sample(content, prompts, self.k, float(self.opts["temperature"]),
+                                                  self.vocab_size)
                 return protocol.parse(self.api, content, prompts, self.k, self.vocab_size)
             except TeacherResponseError as err:
                 raise TeacherResponseError(

@@ -594,3 +594,64 @@ def decode_head(body: bytes, shape: tuple[int, int], dtype: str,
     if not bool(torch.isfinite(weight).all()) or (vector is not None and not bool(torch.isfinite(vector).all())):
         raise TeacherResponseError("the /v1/head answer holds a NaN or an infinity: not a head to train against")
     return weight, vector
+
+
+# ------------------------------------------------------------------------------------------------ sampled tokens
+
+SAMPLE_MAGIC = b"DKS1"
+"""The first bytes of a ``/v1/sample`` response: then a uint32 header length, the JSON header, the arrays."""
+
+
+def encode_sample(prompts: Sequence[Sequence[int]], k: int, temperature: float, ids: np.ndarray,
+                  log_probs: np.ndarray, counts: np.ndarray) -> bytes:
+    """The ``/v1/sample`` body: ``SAMPLE_MAGIC``, uint32 header length, JSON header (``k``, ``temperature``,
+    ``lengths``, ``tokens_sha256``), then ``ids`` (N, k) int32, ``log_probs`` (N, k) float32 (log p at the
+    temperature) and ``counts`` (N, k) uint8: per position the distinct tokens of k draws and how often each came
+    (``offline/capture.py:sample``)."""
+    header = {"k": k, "temperature": temperature, "lengths": [len(p) for p in prompts],
+              "tokens_sha256": tokens_digest(prompts)}
+    return _framed(SAMPLE_MAGIC, header, np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+                   np.ascontiguousarray(log_probs, dtype="<f4").tobytes(),
+                   np.ascontiguousarray(counts, dtype="u1").tobytes())
+
+
+def decode_sample(body: bytes, prompts: Sequence[Sequence[int]], k: int, temperature: float,
+                  vocab_size: int | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`encode_sample`'s body back to per-prompt ``(ids, log_probs, counts)``, refused unless it is whole, for
+    these prompts, this k and temperature, and every value one a draw can give: each position's counts sum to k, a
+    used slot's id is in the vocabulary, not repeated, and its log-probability finite and <= 0."""
+    if not body:
+        raise TeacherResponseError("the answer is an empty body")
+    header, start = _unframe(body, SAMPLE_MAGIC, "/v1/sample")
+    if header.get("k") != k or isinstance(header.get("k"), bool) or header.get("temperature") != temperature:
+        raise TeacherResponseError(f"the /v1/sample header's k and temperature are {_shown(header.get('k'))} and "
+                                   f"{_shown(header.get('temperature'))}; this run asked for {k} at {temperature}")
+    if header.get("lengths") != [len(p) for p in prompts] or header.get("tokens_sha256") != tokens_digest(prompts):
+        raise TeacherResponseError("the /v1/sample header's tokens_sha256 or lengths differ from the prompts sent: "
+                                   "the answer is for other tokens")
+    n = sum(max(len(p) - 1, 0) for p in prompts)
+    if len(body) != start + n * k * 9:
+        raise TeacherResponseError(f"the /v1/sample answer is cut off or padded: {len(body)} bytes, "
+                                   f"{start + n * k * 9} expected for {n} positions at k = {k}")
+    ids = np.frombuffer(body, dtype="<i4", count=n * k, offset=start).reshape(n, k)
+    values = np.frombuffer(body, dtype="<f4", count=n * k, offset=start + n * k * 4).reshape(n, k)
+    counts = np.frombuffer(body, dtype="u1", count=n * k, offset=start + n * k * 8).reshape(n, k)
+    used = counts > 0
+    high = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    wide = values.astype(np.float64)
+    ordered = np.sort(np.where(used, ids.astype(np.int64), -1 - np.arange(k)), axis=-1)  # unused slots: distinct
+    checks = ((np.repeat((counts.sum(-1, dtype=np.int64) != k)[:, None], k, axis=1), "counts that do not sum to k"),
+              (used & ((ids < 0) | (ids >= high)), "an id outside the vocabulary"),
+              (used & ~(np.isfinite(wide) & (wide <= LOG_PROB_SLACK)),
+               "a log-probability that is not finite and <= 0 (a token drawn has some probability)"),
+              (np.pad(ordered[:, 1:] == ordered[:, :-1], ((0, 0), (1, 0))), "an id given twice in one position"))
+    for bad, what in checks:
+        if bad.any():
+            row, column = map(int, np.argwhere(bad)[0])
+            raise TeacherResponseError(f"/v1/sample position {row}, slot {column}: {what}")
+    out, begin = [], 0
+    for prompt in prompts:
+        stop = begin + max(len(prompt) - 1, 0)
+        out.append((ids[begin:stop], values[begin:stop], counts[begin:stop]))
+        begin = stop
+    return out

@@ -17,6 +17,9 @@
   the loss, as an in-process teacher's head is applied (``losses/chunked.py:head_chunk_loss``): the whole
   distribution at H values a position. Only for models whose logits are exactly ``head(hidden)``
   (``engines/head.py:EXACT_HEADS``; ``/info``'s ``payloads`` says).
+* ``POST /v1/sample``: ``{"prompts": [[ids]], "k": k, "temperature": t}`` -> per position k tokens drawn from the
+  teacher at ``t`` (their distinct ids, log-probabilities and counts: ``served_protocol.encode_sample``), for forward
+  KL's unbiased estimate (RS-KD), at 9 k bytes a position; seeded by the request's tokens.
 
 Requests to the model are served one forward at a time (a lock): the client keeps several in flight so the next is
 queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``, as
@@ -122,6 +125,12 @@ class HiddenRequest(BaseModel):
     prompts: list[list[int]]
 
 
+class SampleRequest(BaseModel):
+    prompts: list[list[int]]
+    k: int
+    temperature: float = 1.0
+
+
 class CompletionRequest(BaseModel):
     """The fields of vLLM's ``CompletionRequest`` this server reads; others are ignored, as vLLM ignores none."""
 
@@ -201,6 +210,27 @@ class Scorer:
             tails.append(top_tails.cpu())
             del logits  # before the next batch's forward: one batch's logits alive at a time
         return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(tails).numpy()
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Sequence[int]], k: int, temperature: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every prompt's first ``L - 1`` positions, in order: ``k`` tokens drawn at ``temperature``
+        (``offline/capture.py:sample``): ids (N, k) int32, log-probabilities (N, k) float32, counts (N, k) uint8. The
+        draws are seeded by the request's tokens, so the same request gets the same answer (a retried one too)."""
+        from distill_kit.offline.capture import batch_generator, sample
+
+        tokens = torch.as_tensor([t for prompt in prompts for t in prompt])
+        generator = batch_generator(tokens, self.device)
+        ids, values, counts = [], [], []
+        for group, logits in self.batches(prompts):
+            rows = torch.cat([logits[row, :len(prompt) - 1] for row, prompt in enumerate(group)])
+            drawn_values, drawn_ids, drawn_counts = sample(rows, k, temperature, generator, self.chunk_tokens)
+            del rows
+            ids.append(drawn_ids.int().cpu())
+            values.append(drawn_values.float().cpu())
+            counts.append(drawn_counts.to(torch.uint8).cpu())
+            del logits
+        return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(counts).numpy()
 
     def hidden(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """For every prompt's first ``L - 1`` positions, in order: the final hidden states (N, H) in the model's
@@ -347,6 +377,20 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
         scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
         body = protocol.encode_hidden(scored, scorer.hidden(scored))
         return Response(content=_broken(body, mode), media_type=protocol.HIDDEN_MEDIA_TYPE)
+
+    @app.post("/v1/sample", dependencies=[Depends(authorised)])
+    def sampled(request: SampleRequest) -> Response:
+        prompts = checked(request.prompts, request.k)
+        if request.k > 255 or not (0 < request.temperature < float("inf")):
+            raise HTTPException(status_code=400, detail=f"k = {request.k} at temperature {request.temperature}: "
+                                                        "draws are 1 to 255 a position (counts are one byte), at a "
+                                                        "temperature > 0")
+        too_large("bytes", asked(prompts) * 9 * request.k, limits.answer_bytes, "--max-answer-bytes")
+        mode = faulty()
+        scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
+        body = protocol.encode_sample(scored, request.k, request.temperature,
+                                      *scorer.sample(scored, request.k, request.temperature))
+        return Response(content=_broken(body, mode), media_type=protocol.BINARY_MEDIA_TYPE)
 
     @app.get("/v1/head", dependencies=[Depends(authorised)])
     def head() -> Response:
