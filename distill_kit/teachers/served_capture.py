@@ -57,6 +57,12 @@ def capture(url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
         raise ConfigError(f"--teacher-options: {given} are the store's, not the server's; give --k (a store always "
                           "keeps the tail) and --targets")
     sampled = config.targets == "sampled"
+    api = (options or {}).get("api", "distill_kit")
+    if sampled and api != "distill_kit":
+        raise ConfigError(f"--targets sampled from --teacher {url}: the draws are made from the teacher's whole "
+                          f"distribution, which only the project's server sends (its hidden states); a {api} server "
+                          "gives top-k log-probabilities: capture --targets top_k from it, or serve the teacher with "
+                          "scripts/serve_teacher.py")
     spec = TeacherSpec(name="capture", model=url, kind="served",
                        options={**(options or {}), "k": config.k, "tail": True}
                        | ({"payload": "hidden"} if sampled else {}))
