@@ -140,3 +140,13 @@ def test_the_capture_script_refuses_k_past_the_vocabulary_or_the_counts_byte_bef
         with pytest.raises(ConfigError, match=match):
             module.run(module.parse_args())
     assert not (tmp_path / "store").exists()
+
+
+def test_a_sampled_capture_from_vllm_is_refused_naming_what_it_gives(tmp_path):
+    from distill_kit.teachers import served_capture
+
+    config = CaptureConfig(k=12, targets="sampled")
+    with pytest.raises(ConfigError, match="--targets sampled from --teacher http://127.0.0.1:9: .* a vllm server "
+                                          "gives top-k log-probabilities: capture --targets top_k"):
+        served_capture.capture("http://127.0.0.1:9", None, None, tmp_path / "store", config, {"api": "vllm"})
+    assert not (tmp_path / "store").exists()
