@@ -486,9 +486,10 @@ def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it(
                         (([[5, 6, 7], [8, 10]], 4, "float32"), "other tokens")):
         with pytest.raises(TeacherResponseError, match=match):
             protocol.decode_hidden(body, *args)
-    protocol.check_hidden_scale(good, 1.0, 0.0, torch.float32)
-    with pytest.raises(TeacherResponseError, match=r"hidden\[0\] .* could overflow float32"):
-        protocol.check_hidden_scale(torch.full((1, 4), 1e30), 1e9, 0.0, torch.float32)
+    protocol.decode_hidden(body, prompts, 4, "float32", (1.0, 0.0))
+    huge = protocol.encode_hidden(prompts, torch.full((3, 4), 1e30))
+    with pytest.raises(TeacherResponseError, match=r"hidden\[0\] has max \|h\| = 1e\+30: .* could overflow float32"):
+        protocol.decode_hidden(huge, prompts, 4, "float32", (1e9, 0.0))
     weight = torch.randn(6, 4).to(torch.bfloat16)
     sha = protocol.head_digest(weight, None)
     head = protocol.encode_head(weight, None)

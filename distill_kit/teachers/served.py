@@ -692,8 +692,8 @@ class ServedTeacher(Teacher):
         """A ``/v1/hidden`` answer checked whole (``served_protocol.decode_hidden``: framing, tokens, width, dtype,
         finite; then a scale the head turns into finite logits), split per prompt."""
         weight = self.head.weight
-        states = protocol.decode_hidden(content, prompts, int(weight.shape[1]), protocol.dtype_name(weight.dtype))
-        protocol.check_hidden_scale(states, *self.head_bound, weight.dtype)
+        states = protocol.decode_hidden(content, prompts, int(weight.shape[1]), protocol.dtype_name(weight.dtype),
+                                        self.head_bound)
         return list(states.split([max(len(p) - 1, 0) for p in prompts]))
 
     # ------------------------------------------------------------------------------------------ identity

@@ -512,9 +512,11 @@ def encode_hidden(prompts: Sequence[Sequence[int]], hidden: torch.Tensor) -> byt
     return _framed(HIDDEN_MAGIC, header, tensor_bytes(hidden))
 
 
-def decode_hidden(body: bytes, prompts: Sequence[Sequence[int]], hidden_size: int, dtype: str) -> torch.Tensor:
+def decode_hidden(body: bytes, prompts: Sequence[Sequence[int]], hidden_size: int, dtype: str,
+                  head_abs_max: tuple[float, float] | None = None) -> torch.Tensor:
     """:func:`encode_hidden`'s body back to an (N, H) tensor, refused unless it is whole, for these prompts, of this
-    width and dtype, and every value finite."""
+    width and dtype, every value finite and, given the head's ``(max |W|, max |b|)``, of a scale whose logits cannot
+    overflow (:func:`check_hidden_scale`): one pass over the values (each row's largest magnitude)."""
     if not body:
         raise TeacherResponseError("the answer is an empty body")
     header, start = _unframe(body, HIDDEN_MAGIC, "/v1/hidden")
@@ -533,27 +535,30 @@ def decode_hidden(body: bytes, prompts: Sequence[Sequence[int]], hidden_size: in
         raise TeacherResponseError(f"the /v1/hidden answer is cut off or padded: {len(body)} bytes, {expected} "
                                    f"expected for {n} positions of {hidden_size} {dtype} values")
     hidden = from_bytes(body, dtype, n * hidden_size, start).reshape(n, hidden_size)
-    finite = torch.isfinite(hidden).all(-1)
+    if not n:
+        return hidden
+    peak = hidden.abs().amax(-1).float()  # NaN and infinity propagate: one reduction checks both and the scale
+    finite = torch.isfinite(peak)
     if not bool(finite.all()):
         row = int((~finite).nonzero()[0, 0])
         raise TeacherResponseError(f"hidden[{row}] holds a NaN or an infinity: not a hidden state")
+    if head_abs_max is not None:
+        check_hidden_scale(peak, hidden_size, *head_abs_max, hidden.dtype)
     return hidden
 
 
-def check_hidden_scale(hidden: torch.Tensor, weight_abs_max: float, bias_abs_max: float, dtype: torch.dtype) -> None:
-    """Refuse hidden states whose head outputs could overflow ``dtype``: a logit is at most ``||h||_1 max|W| +
-    max|b|`` (each term bounded by its largest factor), so rows under ``finfo(dtype).max / 2`` of that give finite
-    logits and finite differences of two. A real teacher's are ~10^2-10^4; a hostile server's 10^30 is refused here,
-    where it would otherwise turn the loss into inf or NaN."""
-    if not hidden.numel():
-        return
-    l1 = hidden.float().abs().sum(-1)
-    bound = l1 * weight_abs_max + bias_abs_max
+def check_hidden_scale(peak: torch.Tensor, hidden_size: int, weight_abs_max: float, bias_abs_max: float,
+                       dtype: torch.dtype) -> None:
+    """Refuse hidden states whose head outputs could overflow ``dtype``. ``peak`` (N,): each row's largest |h|. A
+    logit is at most ``||h||_1 max|W| + max|b| <= H max|h| max|W| + max|b|``, so rows under ``finfo(dtype).max / 2``
+    of that give finite logits and finite differences of two. A real teacher's bound is ~10^4-10^6; a hostile
+    server's 10^30 is refused here, where it would otherwise turn the loss into inf or NaN."""
+    bound = peak * (hidden_size * weight_abs_max) + bias_abs_max
     over = bound > torch.finfo(dtype).max / 2
     if bool(over.any()):
         row = int(over.nonzero()[0, 0])
-        raise TeacherResponseError(f"hidden[{row}] has |h|_1 = {float(l1[row]):.3g}: the head's logits from it could "
-                                   f"overflow {dtype_name(dtype)}; not a hidden state of this teacher")
+        raise TeacherResponseError(f"hidden[{row}] has max |h| = {float(peak[row]):.3g}: the head's logits from it "
+                                   f"could overflow {dtype_name(dtype)}; not a hidden state of this teacher")
 
 
 def encode_head(weight: torch.Tensor, bias: torch.Tensor | None) -> bytes:
