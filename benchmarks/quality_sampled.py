@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--only", nargs="+", help="run only these runs (e.g. full_s2 topk_s1), collect nothing")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.out / "cache"
@@ -67,6 +68,8 @@ def main() -> None:
     teachers = {"full": [], "topk": ["--teacher", str(args.out / "topk"), "--tokenizer", str(TEACHER)],
                 "sampled": ["--teacher", str(args.out / "sampled"), "--tokenizer", str(TEACHER)]}
     jobs = [(name, seed) for seed in args.seeds for name in teachers]
+    if args.only:
+        jobs = [(name, seed) for name, seed in jobs if f"{name}_s{seed}" in args.only]
 
     def one(job: tuple[str, int]) -> tuple[str, int, float]:
         name, seed = job
@@ -79,6 +82,9 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(one, jobs))
+    if args.only:
+        print(json.dumps(results))
+        return
     table = {}
     for name in teachers:
         values = [p for n, _, p in results if n == name]
