@@ -11,6 +11,11 @@ Two parts, in one launch:
    at each ``--k``, without and with ``ServedTeacher.prefetch`` (the next micro-batch's request sent before the
    student's step on this one). Reported: tokens/s, served / in-process, and the share of the step spent waiting on
    the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
+3. The whole distribution at a distance (issue 41): (c) the in-process teacher with its head applied at the loss
+   (``engines/head.py:teacher_head_forward``, what the Distiller runs for a logit loss), and (d) the served teacher's
+   ``payload: hidden`` (final hidden states over HTTP, the head applied at the loss), without and with prefetch;
+   ``hidden_vs_in_process`` is (d) with prefetch over (c) (the issue's target: >= 0.85). Every served row reports
+   ``bytes_per_token``: the answers' bytes read over the positions asked (the head's one-time fetch left out).
 
 GPU (one H200; the issue's acceptance: 7B-shaped teacher -> 0.5B student, 1,024 tokens)::
 
@@ -65,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--parse-k", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-step", action="store_true", help="the parse part only")
+    parser.add_argument("--payloads", nargs="+", choices=("top_k", "hidden"), default=["top_k", "hidden"],
+                        help="which served payloads the step part runs")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -164,6 +171,16 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     wall = run_steps(student, optimizer, loss, data, args.warmup, in_process)
     results["in_process"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+    if "hidden" in args.payloads:
+        from distill_kit.engines.head import teacher_head_forward
+
+        def in_process_head(batch):
+            with torch.no_grad():
+                return teacher_head_forward(teacher, input_ids=batch["input_ids"],
+                                            attention_mask=batch["attention_mask"])
+
+        wall = run_steps(student, optimizer, loss, data, args.warmup, in_process_head)
+        results["in_process_head"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
     teacher = None  # its memory back before the server takes the GPU
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -175,13 +192,17 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
              str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
             env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        positions = len(data) * args.micro_batch * (args.seq_len - 1)
+        runs = [("top_k", k) for k in args.k if "top_k" in args.payloads] + (
+            [("hidden", None)] if "hidden" in args.payloads else [])
         try:
-            for k in args.k:
+            for payload, k in runs:
                 for prefetch in (False, True):
-                    spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}",
-                                       options={"k": k, "wait_s": 900, "rows_per_request": args.rows_per_request,
-                                                "timeout_s": 600})
+                    options = {"wait_s": 900, "rows_per_request": args.rows_per_request, "timeout_s": 600}
+                    options |= {"payload": "hidden"} if payload == "hidden" else {"k": k}
+                    spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}", options=options)
                     served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
+                    received = served.transport.received  # the head's one-time fetch left out
                     waited = [0.0]
 
                     def teacher_of(batch, served=served, waited=waited, data=data):
@@ -191,11 +212,16 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
                     wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
                                      served.prefetch if prefetch else None)
-                    name = f"served_k{k}" + ("_prefetch" if prefetch else "")
+                    name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
+                        "_prefetch" if prefetch else "")
+                    base = results["in_process_head" if payload == "hidden" else "in_process"]
                     results[name] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps,
                                      "waiting_share": (served.waited_s - waited[0]) / wall,
-                                     "vs_in_process": results["in_process"]["step_s"] / (wall / args.steps)}
+                                     "vs_in_process": base["step_s"] / (wall / args.steps),
+                                     "bytes_per_token": (served.transport.received - received) / positions}
                     served.close()
+            if "served_hidden_prefetch" in results:
+                results["hidden_vs_in_process"] = results["served_hidden_prefetch"]["vs_in_process"]
         finally:
             server.kill()
             server.wait(timeout=60)

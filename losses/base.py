@@ -22,7 +22,7 @@ from torch import nn
 
 from losses.chunked import ChunkLoss, dense_chunk_loss, head_chunk_loss
 from losses.fused import HeadOutput, logit_loss_sum
-from losses.sparse import SparseTeacherLogits, top_k_chunk_loss
+from losses.sparse import SampledTeacherLogits, SparseTeacherLogits, sampled_chunk_loss, top_k_chunk_loss
 
 IGNORE_INDEX = -100
 
@@ -118,6 +118,9 @@ class LogitLoss(DistillationLoss):
 
     top_k_targets: bool = True
     """Whether ``per_token`` means the same on rows over a captured teacher's top k (any divergence does)."""
+    sampled_targets: bool = False
+    """Whether the loss is forward KL, the one divergence with an unbiased estimate from tokens sampled from the
+    teacher (a sampled store: :func:`losses.functional.sampled_forward_kl`)."""
 
     def __init__(self, temperature: float = 1.0, scale_by_t2: bool = True, chunk_size: int = 1024):
         super().__init__()
@@ -143,6 +146,14 @@ class LogitLoss(DistillationLoss):
             hidden = teacher_logits.hidden.reshape(-1, teacher_logits.hidden.shape[-1])
             return head_chunk_loss(self.per_token, hidden, head.weight, getattr(head, "bias", None), labels,
                                    self.temperature)
+        if isinstance(teacher_logits, SampledTeacherLogits):
+            if not self.sampled_targets:
+                raise ValueError(
+                    f"{self.name} cannot use a sampled teacher store: only forward KL is linear in the teacher's "
+                    "distribution, so only it has an unbiased estimate from sampled tokens. Use forward_kl, or a top-k "
+                    "store (any divergence), or the served teacher's payload: hidden (the exact distribution)."
+                )
+            return sampled_chunk_loss(teacher_logits, self.temperature, self.name)
         if not isinstance(teacher_logits, SparseTeacherLogits):
             return dense_chunk_loss(self.per_token, teacher_logits.reshape(-1, teacher_logits.shape[-1]), labels,
                                     self.temperature)

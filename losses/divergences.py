@@ -25,8 +25,10 @@ class ForwardKL(LogitLoss):
     """Forward KL, KL(p || q), Hinton et al. 2015 "Distilling the Knowledge in a Neural Network".
 
     Mode-covering: the student is penalised wherever the teacher has mass it lacks.
-    Config: ``{name: forward_kl, temperature: 2.0}``.
+    Config: ``{name: forward_kl, temperature: 2.0}``. Against a sampled store it is the unbiased RS-KD estimate.
     """
+
+    sampled_targets = True
 
     def per_token(self, student_logits, teacher_logits, labels) -> torch.Tensor:
         return functional.forward_kl(student_logits, teacher_logits)

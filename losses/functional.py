@@ -173,6 +173,28 @@ def top_k_rows(
     return student, teacher
 
 
+def sampled_forward_kl(
+    student_logits: torch.Tensor, teacher_log_probs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """Forward KL(p || q) estimated from K tokens drawn from p (random-sampling KD, RS-KD: Anshumann et al., ACL 2025).
+
+    ``student_logits`` (n, V) are divided by the temperature T the draws were made at; ``ids`` (n, k) the distinct
+    tokens drawn, ``counts`` (n, k) how often each (0 in unused slots), ``teacher_log_probs`` (n, k) their log p at
+    T. With ``w_i = c_i / K`` (``E[w_i] = p_i``) the estimate is ``sum_i w_i (log p_i - log q_i)``, ``q`` the
+    student's softmax over its *whole* vocabulary: its expectation is ``sum_v p_v (log p_v - log q_v)`` = KL(p || q)
+    exactly, and so is its gradient's, ``q - w`` (where top-k's renormalised ``q~ - p~`` is not: it is biased toward
+    the head). Only forward KL is linear in p, so only it has this estimator. An id the student lacks (a teacher
+    vocabulary padded past it) is left out and the rest renormalised (those ids carry no mass in a trained model).
+    """
+    vocab = student_logits.shape[-1]
+    missing = ids >= vocab
+    weights = counts.to(student_logits.dtype).masked_fill(missing, 0.0)
+    weights = weights / weights.sum(-1, keepdim=True).clamp(min=1.0)
+    log_q = F.log_softmax(student_logits, dim=-1).gather(-1, ids.clamp(max=vocab - 1))
+    teacher = teacher_log_probs.to(student_logits.dtype).masked_fill(weights == 0, 0.0)
+    return (weights * (teacher - log_q)).sum(-1)
+
+
 # ---- teacher and student with different tokenizers (losses/cross_tokenizer.py) ---------------------------
 
 

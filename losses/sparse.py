@@ -40,6 +40,46 @@ class SparseTeacherLogits:
         return self.ids.shape[-1]
 
 
+@dataclass(frozen=True)
+class SampledTeacherLogits:
+    """K tokens drawn from the teacher's distribution at ``temperature`` per position (a sampled store, RS-KD).
+
+    ``ids`` (B, T, k) int64 the distinct tokens drawn, ``counts`` (B, T, k) how often each was (0: an unused slot;
+    each position's counts sum to K), ``log_probs`` (B, T, k) their log p at ``temperature``. Losses compare with
+    them by :func:`losses.functional.sampled_forward_kl`, an unbiased estimate of forward KL and of its gradient.
+    """
+
+    log_probs: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+    temperature: float = 1.0
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[-1]
+
+
+def sampled_chunk_loss(targets: SampledTeacherLogits, temperature: float, loss_name: str) -> ChunkLoss:
+    """The sampled estimator on a chunk's student rows; the loss's temperature must be the one the draws were made
+    at (the estimator is of KL(p_T || q_T) for that T only)."""
+    if temperature != targets.temperature:
+        raise ValueError(
+            f"{loss_name}: temperature {temperature}, and the teacher's tokens were sampled at temperature "
+            f"{targets.temperature}: the sampled estimate is of the distribution at the temperature it was drawn at. "
+            f"Set the loss's temperature to {targets.temperature}, or capture the store again with --temperature "
+            f"{temperature}."
+        )
+    k = targets.k
+    return ChunkLoss(sampled_rows_loss, (targets.log_probs.reshape(-1, k), targets.ids.reshape(-1, k),
+                                         targets.counts.reshape(-1, k)), {"temperature": temperature})
+
+
+def sampled_rows_loss(student: torch.Tensor, log_probs: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, *,
+                      temperature: float) -> torch.Tensor:
+    """One chunk: student ``(c, Vs)`` float32 against the teacher's draws ``(c, k)``."""
+    return functional.sampled_forward_kl(student / temperature, log_probs, ids, counts)
+
+
 def top_k_chunk_loss(per_token: PerToken, targets: SparseTeacherLogits, labels: torch.Tensor, temperature: float,
                      loss_name: str) -> ChunkLoss:
     """``per_token`` on a chunk's student rows and the teacher's top-k targets, both divided by T."""

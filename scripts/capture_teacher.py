@@ -59,6 +59,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=DataConfig.seed, help="the held-out split's seed")
     defaults = CaptureConfig()
     parser.add_argument("--k", type=int, default=defaults.k, help="most likely next tokens kept per position")
+    parser.add_argument("--targets", choices=("top_k", "sampled"), default=defaults.targets,
+                        help="top_k: the k most likely tokens and the tail (any divergence); sampled: k tokens drawn "
+                             "from the teacher at --temperature with their counts (RS-KD: forward KL's unbiased "
+                             "estimate, 5.25 k bytes a token at Qwen2's vocabulary)")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="--targets sampled: the temperature the tokens are drawn at, which the training loss's "
+                             "must equal")
     parser.add_argument("--values-dtype", choices=("fp16", "bf16", "fp32"), default=defaults.values_dtype,
                         help="of the stored log-probabilities (fp16: most precise of the 2-byte types here)")
     parser.add_argument("--hidden-layers", default="", help="comma-separated hidden-state indices to keep, e.g. 14,28")
@@ -97,26 +104,40 @@ def run(args: argparse.Namespace) -> Manifest:
     if not isinstance(options, dict):
         raise ConfigError(f"--teacher-options {args.teacher_options!r}: give a mapping, e.g. '{{api: vllm}}'")
     hidden_layers = tuple(int(i) for i in args.hidden_layers.split(",") if i.strip())
+    try:
+        config = CaptureConfig(
+            k=args.k, values_dtype=args.values_dtype, targets=args.targets, temperature=args.temperature,
+            hidden_layers=hidden_layers,
+            hidden_dtype=args.hidden_dtype, micro_batch_size=args.micro_batch_size,
+            batches_per_part=args.batches_per_part, dtype=args.dtype,
+            teacher_precision=args.teacher_precision,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     # The folder, before anything loads (every rank, before any rank can write): what the arguments fix already.
-    known = {"teacher": args.teacher, "k": args.k, "values_dtype": args.values_dtype,
+    known = {"teacher": args.teacher, "k": args.k, "targets": args.targets, "temperature": args.temperature,
+             "values_dtype": args.values_dtype,
              "hidden_layers": tuple(sorted(hidden_layers)), "hidden_dtype": args.hidden_dtype,
              "micro_batch_size": args.micro_batch_size, "batches_per_part": args.batches_per_part}
     problem = out_problem(args.out, known)
     if problem:
         raise ConfigError(problem)
+    if not served:  # K past the vocabulary, from the config alone (a missing folder is the load's to report)
+        from distill_kit.engines.models import model_config
+
+        try:
+            vocab = getattr(model_config(args.teacher).get_text_config(), "vocab_size", None)
+        except (FileNotFoundError, OSError, ValueError):
+            vocab = None
+        if vocab is not None and args.k > vocab:
+            raise ConfigError(f"--k {args.k}: above the teacher's vocabulary ({vocab} tokens); give --k {vocab} or "
+                              "less")
     distributed.init()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.teacher)
     data = DataConfig(train=args.data, heldout=args.heldout, heldout_fraction=args.heldout_fraction,
                       text_field=args.text_field, block_size=args.block_size, packing=args.packing,
                       max_train_blocks=args.max_blocks, max_heldout_blocks=args.max_blocks, seed=args.seed)
     splits = build_splits(data, tokenizer)
-    config = CaptureConfig(
-        k=args.k, values_dtype=args.values_dtype,
-        hidden_layers=hidden_layers,
-        hidden_dtype=args.hidden_dtype, micro_batch_size=args.micro_batch_size,
-        batches_per_part=args.batches_per_part, dtype=args.dtype,
-        teacher_precision=args.teacher_precision,
-    )
     blocks = splits.train if args.split == "train" else splits.heldout
     if served:
         return served_capture.capture(args.teacher, tokenizer, blocks, args.out, config, options)

@@ -103,11 +103,22 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         from distill_kit.offline.fingerprints import tokenizer_fingerprint
 
         tokenizer_sha256 = tokenizer_fingerprint(AutoTokenizer.from_pretrained(args.model))
+    from distill_kit.engines.head import EXACT_HEADS
+    from distill_kit.teachers import served_protocol as protocol
+
+    payloads = ["top_k", "sampled"]
+    head = model.get_output_embeddings()
+    if getattr(config, "model_type", None) in EXACT_HEADS and isinstance(head, torch.nn.Linear):
+        payloads.append("hidden")  # logits are exactly head(final hidden state): the client may apply the head
+    bias = getattr(head, "bias", None)
+    hidden = {"head_sha256": protocol.head_digest(head.weight, bias), "hidden_size": int(head.weight.shape[1]),
+              "hidden_dtype": protocol.dtype_name(head.weight.dtype), "head_bias": bias is not None
+              } if "hidden" in payloads else {}
     info = {"model": args.served_model_name or Path(args.model).name, "vocab_size": int(text.vocab_size),
             "tokenizer_sha256": tokenizer_sha256, "teacher_sha256": teacher_fingerprint(model),
             "max_k": args.max_k, "max_model_len": args.max_model_len or getattr(text, "max_position_embeddings", None)
             or 1 << 20, "dtype": dtype, "precision": fp8.resolve(args.precision, dtype),
-            "config": config.to_dict()}
+            "config": config.to_dict(), "payloads": payloads, **hidden}
     return model, info
 
 

@@ -466,3 +466,70 @@ def test_a_server_that_turns_bad_mid_run_stops_it_after_the_last_whole_step_and_
     assert summary is not None and (out / "report.json").is_file()
     assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
+
+
+def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it():
+    """payload: hidden (issue 41): the binary body's framing, tokens, width, dtype, length and every value; a scale
+    whose logits would overflow; a head whose bytes do not hash to the server's head_sha256."""
+    prompts = [[5, 6, 7], [8, 9]]
+    good = torch.randn(3, 4)
+    body = protocol.encode_hidden(prompts, good)
+    assert torch.equal(protocol.decode_hidden(body, prompts, 4, "float32"), good)
+    bad = good.clone()
+    bad[2, 1] = float("nan")
+    refusals = {b"<html>502</html>": "not a distill_kit body", body[:-1]: "cut off or padded",
+                body + b"\0" * 4: "cut off or padded", protocol.encode_hidden(prompts, bad): r"hidden\[2\] holds a NaN"}
+    for answer, match in refusals.items():
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_hidden(answer, prompts, 4, "float32")
+    for args, match in (((prompts, 5, "float32"), "hidden_size is 4"), ((prompts, 4, "bfloat16"), "dtype is"),
+                        (([[5, 6, 7], [8, 10]], 4, "float32"), "other tokens")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_hidden(body, *args)
+    protocol.decode_hidden(body, prompts, 4, "float32", (1.0, 0.0))
+    huge = protocol.encode_hidden(prompts, torch.full((3, 4), 1e30))
+    with pytest.raises(TeacherResponseError, match=r"hidden\[0\] has max \|h\| = 1e\+30: .* could overflow float32"):
+        protocol.decode_hidden(huge, prompts, 4, "float32", (1e9, 0.0))
+    weight = torch.randn(6, 4).to(torch.bfloat16)
+    sha = protocol.head_digest(weight, None)
+    head = protocol.encode_head(weight, None)
+    got, bias = protocol.decode_head(head, (6, 4), "bfloat16", sha)
+    assert torch.equal(got, weight) and bias is None
+    flipped = bytearray(head)
+    flipped[-1] ^= 1
+    with pytest.raises(TeacherResponseError, match="do not hash to the head_sha256"):
+        protocol.decode_head(bytes(flipped), (6, 4), "bfloat16", sha)
+    with pytest.raises(TeacherResponseError, match=r"says \{\"shape\": \[6, 4\].*said shape \[7, 4\]"):
+        protocol.decode_head(head, (7, 4), "bfloat16", sha)
+
+
+def test_a_sampled_answer_is_checked_whole_before_the_loss_sees_it():
+    """payload: sampled (issue 41): counts that do not sum to k, an id outside the vocabulary or repeated, a
+    log-probability above 0 or -inf in a used slot, another k or temperature, a cut-off body: each refused."""
+    prompts, k = [[5, 6, 7]], 3
+    ids = np.array([[4, 9, 0], [2, 3, 7]], dtype=np.int32)
+    values = np.log(np.array([[0.5, 0.1, 1.0], [0.2, 0.3, 0.1]], dtype=np.float32))
+    counts = np.array([[2, 1, 0], [1, 1, 1]], dtype=np.uint8)
+    good = protocol.encode_sample(prompts, k, 1.0, ids, values, counts)
+    (parsed,) = protocol.decode_sample(good, prompts, k, 1.0, VOCAB)
+    assert np.array_equal(parsed[0], ids) and np.array_equal(parsed[2], counts)
+
+    def changed(array: str, where: tuple, value: float) -> bytes:
+        arrays = {"ids": ids.copy(), "values": values.copy(), "counts": counts.copy()}
+        arrays[array][where] = value
+        return protocol.encode_sample(prompts, k, 1.0, arrays["ids"], arrays["values"], arrays["counts"])
+
+    for body, match in ((changed("counts", (0, 0), 3), "position 0, slot 0: counts that do not sum to k"),
+                        (changed("ids", (1, 2), VOCAB), "position 1, slot 2: an id outside the vocabulary"),
+                        (changed("ids", (1, 1), 2), "position 1, slot 1: an id given twice"),
+                        (changed("values", (0, 1), 0.5), "position 0, slot 1: a log-probability that is not finite"),
+                        (changed("values", (1, 0), -np.inf), "position 1, slot 0: a log-probability"),
+                        (good[:-1], "cut off or padded"), (b"<html>", "not a distill_kit body")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_sample(body, prompts, k, 1.0, VOCAB)
+    for args, match in (((prompts, 4, 1.0), "k and temperature"), ((prompts, k, 2.0), "k and temperature"),
+                        (([[5, 6, 8]], k, 1.0), "other tokens")):
+        with pytest.raises(TeacherResponseError, match=match):
+            protocol.decode_sample(good, *args, VOCAB)
+    # an unused slot (count 0) may hold anything: the loss gives it weight 0
+    protocol.decode_sample(changed("values", (0, 2), 7.0), prompts, k, 1.0, VOCAB)

@@ -371,6 +371,202 @@ def test_a_store_captured_from_the_server_equals_one_captured_in_process(server,
             assert torch.equal(got[name], want[name]), name
 
 
+# ------------------------------------------------------------------------ payload: hidden (issue 41)
+
+DIVERGENCES = [{"name": "forward_kl"}, {"name": "forward_kl", "temperature": 2.0}, {"name": "reverse_kl"},
+               {"name": "generalized_jsd", "beta": 0.5, "temperature": 1.5}, {"name": "skew_forward_kl"},
+               {"name": "skew_reverse_kl"}, {"name": "total_variation"}, {"name": "logit_mse"}]
+
+
+def hidden_teacher(url: str, **options) -> ServedTeacher:
+    return teacher(url, payload="hidden", **options)
+
+
+def full_rows(seed: int) -> dict:
+    """A micro-batch of full rows (no padding): routed sub-batches then have the in-process forward's width too."""
+    ids = torch.randint(1, 1024, (B, T), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def loss_and_grad(loss, student_logits: torch.Tensor, teacher_out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    student = student_logits.clone().requires_grad_(True)
+    total = loss(SimpleNamespace(logits=student), teacher_out, batch).total
+    (grad,) = torch.autograd.grad(total, student)
+    return total.detach(), grad
+
+
+def test_hidden_states_from_the_server_give_the_in_process_head_at_the_loss_losses_bitwise(server, reference):
+    """payload: hidden against the in-process teacher's head at the loss (``engines/head.py``) on the same padded
+    micro-batch: the server runs the same body on the same (B, T) right-padded fp32 batch on the same threads, so the
+    hidden states at every counted position are the same bits, the head (from the server, or read from the folder)
+    is the same tensor, and every loss and gradient after is the same arithmetic: bitwise, for every divergence at
+    T = 1, 1.5 and 2; ``combine: mixture`` and ``route``; evaluation's KL and top-1 agreement."""
+    from distill_kit.engines.head import teacher_head_forward
+    from distill_kit.teachers.base import HEAD
+    from distill_kit.teachers.combine import TeacherEnsembleLoss
+    from distill_kit.teachers.group import Teachers
+    from distill_kit.training.evaluation import token_statistics
+
+    served = hidden_teacher(server.url, rows_per_request=B)
+    local = hidden_teacher(server.url, rows_per_request=B, head=str(TEACHER))
+    assert served.card.outputs == frozenset({HEAD}) and served.card.dense
+    assert torch.equal(served.head.weight, local.head.weight) and torch.equal(served.head.weight,
+                                                                                 reference.lm_head.weight)
+    student = torch.randn(B, T, 1024, generator=torch.Generator().manual_seed(3))
+    batch = batches(1, seed=11)[0]
+    keep = counted(batch)
+    got = served(**batch)
+    with torch.no_grad():
+        want = teacher_head_forward(reference, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.equal(got.hidden[keep], want.hidden[keep])
+    for options in DIVERGENCES:
+        loss = build_loss(options | {"chunk_size": 16})
+        ours, our_grad = loss_and_grad(loss, student, got, batch)
+        theirs, their_grad = loss_and_grad(loss, student, want, batch)
+        assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad), options
+
+    # combine: mixture (two teachers, one served twice with its head applied in full, as an in-process teacher's
+    # logits are when a mixture reads them) and evaluation's statistics against the mixture
+    with torch.no_grad():
+        dense = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    for options in ({"name": "reverse_kl", "temperature": 2.0}, {"name": "generalized_jsd", "beta": 0.3}):
+        mix = TeacherEnsembleLoss({"a": build_loss(options), "b": build_loss(options)}, {"a": 0.3, "b": 0.7},
+                                  "mixture")
+        fresh = [served(**batch), served(**batch)]  # logits built lazily, once each
+        ours, our_grad = loss_and_grad(mix, student, {"a": fresh[0], "b": fresh[1]}, batch)
+        theirs, their_grad = loss_and_grad(mix, student, {"a": dense, "b": dense}, batch)
+        assert torch.equal(ours, theirs) and torch.equal(our_grad, their_grad), options
+    ours, theirs = (token_statistics(student, out.logits, batch) for out in (served(**batch), dense))
+    assert ours.keys() == theirs.keys() and all(torch.equal(torch.as_tensor(ours[k]), torch.as_tensor(theirs[k]))
+                                                for k in ours)
+
+    # combine: route: each row's logits from its own teacher, a served one and the in-process one's stand-in
+    class InProcess:
+        def forward(self, inputs):
+            return reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+
+    full = full_rows(seed=13)
+    route = torch.tensor([0, 1, 1, 0])
+    specs = [TeacherSpec(name="a", model=served), TeacherSpec(name="b", model=local)]
+    group = Teachers(specs, {}, {}, vocab_size=1024)
+    routed = group.forward({"input_ids": full["input_ids"], "attention_mask": full["attention_mask"]}, route)
+    group.members = {"a": InProcess(), "b": InProcess()}
+    group._own = lambda teacher, inputs: inputs
+    plain = group.forward({"input_ids": full["input_ids"], "attention_mask": full["attention_mask"]}, route)
+    assert torch.equal(routed.logits[:, :-1], plain.logits[:, :-1])
+    loss = build_loss({"name": "generalized_jsd", "beta": 0.5})
+    assert torch.equal(loss_and_grad(loss, student, routed, full)[1], loss_and_grad(loss, student, plain, full)[1])
+    served.close()
+    local.close()
+
+
+def test_hidden_states_are_prefetched_as_top_k_are(server):
+    served = hidden_teacher(server.url, rows_per_request=2, max_in_flight=4)
+    first, second = batches(2, seed=5)
+    plain = served.forward(second).hidden
+    served.prefetch(second)
+    assert len(served.pending) == 1
+    served.forward(first)
+    time.sleep(0.5)
+    waited = served.waited_s
+    got = served.forward(second)
+    assert not served.pending and torch.equal(got.hidden, plain) and served.waited_s - waited < 0.5
+    served.close()
+
+
+def test_what_payload_hidden_cannot_have_is_refused_before_anything_is_built(server, reference, tmp_path):
+    other = tmp_path / "other_teacher"
+    changed = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32)
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1e-3  # tied: the embedding changes with it
+    changed.save_pretrained(other)
+    options = {"api_key_env": KEY_ENV, "payload": "hidden"}
+    with pytest.raises(ConfigError, match=r"options\.head .*other_teacher.*sha256 \(\w{12}, in float32\) is not "
+                                          r"the server's \(\w{12}\).*leave it out to take the head from the server"):
+        describe(TeacherSpec(name="t", model=server.url, options=options | {"head": str(other)}))
+    with pytest.raises(ConfigError, match=r"payload: hidden: a vllm server serves top-k log-probabilities "
+                                          r"\(prompt_logprobs\), not hidden states: use .*payload: top_k"):
+        describe(TeacherSpec(name="t", model=server.url, options=options | {"api": "vllm"}))
+    with pytest.raises(ConfigError, match=r"k = 2000: above the teacher's vocabulary \(1024 tokens\)"):
+        describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "k": 2000}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_teacher"]  # nothing else written
+
+
+def test_a_sampled_store_captured_through_the_servers_hidden_states_draws_what_the_teacher_gives(server, reference,
+                                                                                                   tmp_path):
+    """--targets sampled from a URL: the server sends hidden states, the client applies the head and draws, seeded
+    by each micro-batch's tokens as the in-process capture is (``offline/capture.py:targets_of``). Against the
+    reference's own logits on the same micro-batches: the same draws (ids and counts; a draw could only move if a
+    probability sat within float32 rounding of its uniform's boundary) and log-probabilities within 1e-4, the vLLM
+    test's float32 bound: the head is applied to a (B, T + 1, H) batch here (the token sent after each block's end)
+    and to (B, T, H) in process, whose matmuls may sum in another order."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from distill_kit.offline.capture import CaptureConfig, targets_of
+    from distill_kit.offline.captured_teacher import CapturedTeacher
+    from distill_kit.teachers import served_capture
+
+    ids = torch.randint(1, 1024, (3, T), generator=torch.Generator().manual_seed(12))
+    mask = (torch.arange(T)[None] < torch.tensor([T, T // 2, T - 3])[:, None]).long()
+    ids = ids * mask
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                                         "labels": ids.masked_fill(mask == 0, -100).tolist()})
+    config = CaptureConfig(k=16, values_dtype="fp32", micro_batch_size=2, batches_per_part=4, dtype="fp32",
+                           targets="sampled", temperature=1.5)
+    manifest = served_capture.capture(server.url, AutoTokenizer.from_pretrained(TEACHER), blocks, tmp_path / "store",
+                                      config, {"api_key_env": KEY_ENV, "rows_per_request": B})
+    assert (manifest.spec.targets, manifest.spec.temperature, manifest.complete) == ("sampled", 1.5, True)
+    got = CapturedTeacher(tmp_path / "store")(input_ids=ids, attention_mask=mask).logits
+    for rows in (slice(0, 2), slice(2, 3)):  # the capture's micro-batches
+        with torch.no_grad():
+            logits = reference(input_ids=ids[rows], attention_mask=mask[rows]).logits
+        keep = mask[rows].bool()
+        values, drawn, counts = targets_of(logits[keep], ids[rows], config)
+        assert torch.equal(got.ids[rows][keep], drawn) and torch.equal(got.counts[rows][keep], counts.to(torch.uint8))
+        torch.testing.assert_close(got.log_probs[rows][keep], values, rtol=0, atol=1e-4)
+
+
+def test_sampled_tokens_from_the_server_are_draws_of_the_teachers_distribution(server, reference):
+    """payload: sampled: K = 12 draws at T = 1.5 a position, their counts summing to K, their log-probabilities the
+    reference's log_softmax(logits / T) within 1e-4 (the vLLM test's float32 bound: the server's forward may sum in
+    another order), the same answer to the same request (seeded by its tokens); forward KL at T reads them."""
+    from distill_kit.teachers.base import SAMPLED
+
+    served = teacher(server.url, payload="sampled", k=12, temperature=1.5, rows_per_request=B)
+    assert served.card.outputs == frozenset({SAMPLED}) and served.card.sample_temperature == 1.5
+    batch = batches(1, seed=21)[0]
+    keep = counted(batch)
+    got = served(**batch).logits
+    again = served(**batch).logits
+    assert torch.equal(got.ids, again.ids) and torch.equal(got.counts, again.counts)
+    assert bool((got.counts.sum(-1)[keep] == 12).all()) and not got.counts[~keep].any()
+    with torch.no_grad():
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    log_p = torch.log_softmax(logits / 1.5, -1).gather(-1, got.ids)
+    used = got.counts > 0
+    torch.testing.assert_close(got.log_probs[used], log_p[used], rtol=0, atol=1e-4)
+    student = SimpleNamespace(logits=torch.randn(B, T, 1024, generator=torch.Generator().manual_seed(2)))
+    loss = build_loss({"name": "forward_kl", "temperature": 1.5})(student, SimpleNamespace(logits=got), batch)
+    assert torch.isfinite(loss.total)
+    with pytest.raises(ConfigError, match="temperature 2: only payload: sampled draws at a temperature"):
+        describe(TeacherSpec(name="t", model=server.url, options={"api_key_env": KEY_ENV, "temperature": 2}))
+    served.close()
+
+
+def test_a_bad_hidden_state_answer_is_refused_never_trained_on(server):
+    served = hidden_teacher(server.url, rows_per_request=B)
+    try:
+        for mode, match in (("garbage", "not a distill_kit body"), ("truncate", "cut off"),
+                            ("other_tokens", "other tokens")):
+            server.fault(mode)
+            with pytest.raises(protocol.TeacherResponseError, match=match):
+                served.forward(batches(1)[0])
+    finally:
+        server.fault("none")
+        served.close()
+
+
 @pytest.mark.parametrize("api", ["distill_kit", "vllm"])
 @pytest.mark.parametrize("mode, match", [("empty", "empty body"), ("garbage", "not (JSON|a distill_kit top-k)"),
                                          ("truncate", "cut off|not JSON"), ("other_tokens", "other tokens"),

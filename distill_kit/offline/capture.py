@@ -74,11 +74,26 @@ class CaptureConfig:
     """fp8: the teacher's decoder layers in FP8, replicated and compiled per layer (``engines/fp8.py``)."""
     chunk_tokens: int = 2048
     """Rows of logits turned into float32 log-probabilities at a time: bounds memory at large vocabularies."""
+    targets: str = "top_k"
+    """``top_k``: the k most likely tokens and the tail. ``sampled``: k tokens drawn from the teacher's distribution
+    at ``temperature`` (RS-KD), for forward KL's unbiased estimate (``offline/store.py``)."""
+    temperature: float = 1.0
+    """A sampled store's: the temperature the tokens are drawn at; the training loss's must be the same."""
 
     def __post_init__(self) -> None:
         for name in ("k", "micro_batch_size", "batches_per_part", "chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"capture {name} must be >= 1, got {getattr(self, name)}")
+        if self.targets not in ("top_k", "sampled"):
+            raise ValueError(f"capture targets must be top_k or sampled, got {self.targets!r}")
+        if self.targets == "sampled" and self.k > 255:
+            raise ValueError(f"capture k must be <= 255 for a sampled store (counts are uint8), got {self.k}")
+        if not self.temperature > 0:
+            raise ValueError(f"capture temperature must be > 0, got {self.temperature}")
+        if self.targets == "top_k" and self.temperature != 1.0:
+            raise ValueError(f"capture temperature {self.temperature}: a top-k store keeps log-probabilities at "
+                             "temperature 1 (any loss temperature is applied to them); temperature is a sampled "
+                             "store's (--targets sampled)")
         if self.teacher_precision not in ("auto", "bf16", "fp8"):
             raise ValueError(f"capture teacher_precision must be auto, bf16 or fp8, got {self.teacher_precision!r}")
         check_teacher_precision(self.teacher_precision, self.dtype, "capture teacher_precision", "dtype")
@@ -90,7 +105,8 @@ class CaptureConfig:
 
 Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]
 """A micro-batch's store rows, one per real token of its dataset blocks, in order: top-k log-probabilities (n, k)
-float32, their ids (n, k), the tail's log mass (n,), and each kept hidden layer's states (n, H)."""
+float32, their ids (n, k), the tail's log mass (n,) (a sampled store: the counts (n, k)), and each kept hidden layer's
+states (n, H)."""
 
 
 def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,6 +123,46 @@ def top_k(logits: torch.Tensor, k: int, chunk_tokens: int) -> tuple[torch.Tensor
         values.append(top_values)
         ids.append(top_ids)
     return torch.cat(values), torch.cat(ids), torch.cat(tails)
+
+
+def sample(logits: torch.Tensor, k: int, temperature: float, generator: torch.Generator | None,
+           chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` tokens drawn (with replacement) from ``softmax(logits / temperature)`` per row: ``logits`` (n, V) ->
+    their log-probabilities at that temperature (n, k) (float32, or float64 for float64 logits), the distinct ids
+    (n, k) int64, most drawn order not kept (ascending id), and how often each was drawn (n, k) int64 summing to
+    ``k``; unused slots (fewer distinct ids than draws) hold id 0, count 0 and log-probability 0."""
+    values, ids, counts = [], [], []
+    for chunk in logits.split(chunk_tokens):
+        log_p = F.log_softmax(chunk.to(torch.promote_types(chunk.dtype, torch.float32)) / temperature, dim=-1)
+        drawn = torch.multinomial(log_p.exp(), k, replacement=True, generator=generator).sort(-1).values
+        first = torch.ones_like(drawn, dtype=torch.bool)
+        first[:, 1:] = drawn[:, 1:] != drawn[:, :-1]
+        slot = first.cumsum(-1) - 1  # the slot of each draw: its distinct id's rank
+        distinct = torch.zeros_like(drawn).scatter_(-1, slot, drawn)
+        count = torch.zeros_like(drawn).scatter_add_(-1, slot, torch.ones_like(drawn))
+        values.append(log_p.gather(-1, distinct).masked_fill(count == 0, 0.0))
+        ids.append(distinct)
+        counts.append(count)
+    return torch.cat(values), torch.cat(ids), torch.cat(counts)
+
+
+def batch_generator(input_ids: torch.Tensor, device: torch.device) -> torch.Generator:
+    """A generator seeded by a micro-batch's tokens: the same draws for the same batch, on any rank and on a resumed
+    capture (a part written twice is written with the same content)."""
+    import hashlib
+
+    digest = hashlib.blake2b(input_ids.to(torch.int64).cpu().numpy().tobytes(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def targets_of(logits: torch.Tensor, input_ids: torch.Tensor, config: CaptureConfig
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A store's rows of ``logits`` (n, V): top-k (values, ids, tails) or, sampled, (log-probabilities, ids, counts),
+    the draws seeded by ``input_ids`` (the micro-batch's)."""
+    if config.targets == "sampled":
+        return sample(logits, config.k, config.temperature,
+                      batch_generator(input_ids, logits.device), config.chunk_tokens)
+    return top_k(logits, config.k, config.chunk_tokens)
 
 
 def engine_config(teacher: ModelSource, config: CaptureConfig, world_size: int,
@@ -130,6 +186,7 @@ FLAGS = {"teacher": "--teacher", "teacher_hash": "--teacher's weights", "teacher
          "tokenizer": "--tokenizer", "tokenizer_hash": "--tokenizer's vocabulary",
          "dataset": "the blocks: --data, --heldout, --split, --block-size, --max-blocks, ...", "k": "--k",
          "values_dtype": "--values-dtype", "hidden_layers": "--hidden-layers", "hidden_dtype": "--hidden-dtype",
+         "targets": "--targets", "temperature": "--temperature",
          "world_size": "the number of ranks", "micro_batch_size": "--micro-batch-size",
          "batches_per_part": "--batches-per-part"}
 """What sets each field of a store's manifest (``scripts/capture_teacher.py``'s flags), for the refusals' fixes."""
@@ -227,7 +284,7 @@ def capture(teacher: ModelSource, tokenizer: Any, blocks: datasets.Dataset, out:
         out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=bool(config.hidden_layers),
                     use_cache=False)  # no cache: see training/student.py:Student.inputs
         keep = mask[:real].bool()
-        values, ids, tails = (t.cpu() for t in top_k(out.logits[:real][keep], config.k, config.chunk_tokens))
+        values, ids, tails = (t.cpu() for t in targets_of(out.logits[:real][keep], input_ids[:real], config))
         return values, ids, tails, {layer: out.hidden_states[layer][:real][keep].cpu()
                                     for layer in config.hidden_layers}
 
@@ -256,6 +313,7 @@ def fill_store(rows: Callable[[Mapping[str, torch.Tensor], int], Rows], teacher:
         dataset=_on_main(lambda: dataset_fingerprint(blocks)),
         k=config.k, values_dtype=config.values_dtype,
         hidden_layers=config.hidden_layers, hidden_dtype=config.hidden_dtype,
+        targets=config.targets, temperature=float(config.temperature),
     )
     manifest = start(root, spec, config)
     loader = BlockLoader(blocks, config.micro_batch_size, rank=rank, world_size=world, shuffle=False,

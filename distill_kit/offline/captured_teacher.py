@@ -28,7 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from distill_kit.offline.fingerprints import dataset_fingerprint, tokenizer_fingerprint
 from distill_kit.offline.store import StoreReader, StoreSpec, block_key
-from losses.sparse import SparseTeacherLogits
+from losses.sparse import SampledTeacherLogits, SparseTeacherLogits
 
 
 class StoreMismatchError(ValueError):
@@ -129,8 +129,12 @@ class CapturedTeacher(nn.Module):
                 out[block, positions[block]] = block_rows[name]
             return out.to(input_ids.device, non_blocking=True)
 
-        logits = SparseTeacherLogits(assemble("log_probs"), assemble("ids"),
-                                     assemble("log_tail") if self.tail_bucket else None)
+        if self.spec.targets == "sampled":
+            logits = SampledTeacherLogits(assemble("log_probs"), assemble("ids"), assemble("counts"),
+                                          self.spec.temperature)
+        else:
+            logits = SparseTeacherLogits(assemble("log_probs"), assemble("ids"),
+                                         assemble("log_tail") if self.tail_bucket else None)
         hidden = None
         if output_hidden_states:
             hidden = CapturedHiddenStates({layer: assemble(f"hidden.{layer}") for layer in self.spec.hidden_layers},

@@ -27,6 +27,13 @@ Each part holds, for the blocks (sequences) it covers, one row per real token (`
 
 For k = 64 at Qwen2's vocabulary that is 64 x (2 + 2.25) + 2 = 274 bytes a token, against 384 for bf16
 values, uint32 ids and a bf16 tail; the manifest records the measured figure, file overheads included.
+
+A **sampled** store (``targets: sampled``, ``capture_teacher.py --targets sampled``; RS-KD, Anshumann et al., ACL
+2025) keeps instead, per token, K tokens drawn from the teacher's distribution at the loss's ``temperature``: the
+distinct ids drawn (``ids``, padded to K slots), how often each was (``counts`` (tokens, K) uint8, 0 in unused
+slots) and their ``log_probs`` at that temperature; no tail. The forward-KL loss's estimate from them is unbiased
+(``losses/functional.py:sampled_forward_kl``), where top-k's is biased toward the head. Bytes a token: K x (2.25 +
+1 + 2) = 5.25 K at Qwen2's vocabulary (K = 12: 63, K = 19: 99.75), 5 K at a vocabulary up to 65,536.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from distill_kit.errors import ConfigError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 KEY_BYTES = 16
-TOP_K_TENSORS = ("log_probs", "log_tail", "ids", "ids_high")
+TOP_K_TENSORS = ("log_probs", "log_tail", "ids", "ids_high", "counts")
+TARGETS = ("top_k", "sampled")
 ELEMENT_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "U8": 1, "U16": 2, "I32": 4, "I64": 8}  # safetensors dtype names
 
 
@@ -119,11 +127,22 @@ class StoreSpec:
     values_dtype: str = "fp16"
     hidden_layers: tuple[int, ...] = ()
     hidden_dtype: str = "bf16"
+    targets: str = "top_k"
+    """``top_k``: the k most likely tokens and the tail; ``sampled``: k tokens drawn at ``temperature`` (RS-KD)."""
+    temperature: float = 1.0
+    """A sampled store's: the temperature its tokens were drawn at, which the loss's must equal."""
 
     def __post_init__(self) -> None:
         vocab = self.teacher_config.get("vocab_size")
         if not 1 <= self.k <= (vocab or self.k):
             raise ValueError(f"k must be in [1, the teacher's vocabulary ({vocab})], got {self.k}")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets must be one of {', '.join(TARGETS)}, got {self.targets!r}")
+        if self.targets == "sampled" and self.k > 255:
+            raise ValueError(f"a sampled store draws at most 255 tokens a position (its counts are uint8), got k = "
+                             f"{self.k}")
+        if not (isinstance(self.temperature, int | float) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         for name in ("values_dtype", "hidden_dtype"):
             if getattr(self, name) not in TORCH_DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(TORCH_DTYPES)}, got {getattr(self, name)!r}")
@@ -204,11 +223,13 @@ class PartWriter:
 
     def add(self, key: bytes, log_probs: torch.Tensor, ids: torch.Tensor, log_tail: torch.Tensor,
             hidden: Mapping[int, torch.Tensor]) -> None:
-        """One block's rows: ``log_probs``/``ids`` (n, k), ``log_tail`` (n,), ``hidden[layer]`` (n, H)."""
+        """One block's rows: ``log_probs``/``ids`` (n, k), ``log_tail`` (n,), ``hidden[layer]`` (n, H); a sampled
+        store's third are the ``counts`` (n, k)."""
         values_dtype = TORCH_DTYPES[self.spec.values_dtype]
         floor = torch.finfo(values_dtype).min  # k = V leaves no tail: log 0 is stored as the lowest finite value
-        rows = {"log_probs": log_probs.clamp(min=floor).to(values_dtype),
-                "log_tail": log_tail.clamp(min=floor).to(values_dtype), **self.codec.encode(ids)}
+        third = ({"counts": log_tail.to(torch.uint8)} if self.spec.targets == "sampled"
+                 else {"log_tail": log_tail.clamp(min=floor).to(values_dtype)})
+        rows = {"log_probs": log_probs.clamp(min=floor).to(values_dtype), **third, **self.codec.encode(ids)}
         rows |= {f"hidden.{layer}": state.to(TORCH_DTYPES[self.spec.hidden_dtype]) for layer, state in hidden.items()}
         for name, value in rows.items():
             self._rows.setdefault(name, []).append(value.contiguous())

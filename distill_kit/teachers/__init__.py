@@ -8,6 +8,7 @@ from distill_kit.teachers.base import (
                                        HIDDEN_STATES,
                                        LOGITS,
                                        OUTPUTS,
+                                       SAMPLED,
                                        TOP_K,
                                        TOP_K_TAIL,
                                        Teacher,
@@ -15,5 +16,5 @@ from distill_kit.teachers.base import (
                                        TeacherSetup,
 )
 
-__all__ = ["ATTENTIONS", "HEAD", "HIDDEN_STATES", "LOGITS", "OUTPUTS", "TOP_K", "TOP_K_TAIL", "Teacher", "TeacherCard",
-           "TeacherSetup"]
+__all__ = ["ATTENTIONS", "HEAD", "HIDDEN_STATES", "LOGITS", "OUTPUTS", "SAMPLED", "TOP_K", "TOP_K_TAIL", "Teacher",
+           "TeacherCard", "TeacherSetup"]

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 
 LOGITS, TOP_K, TOP_K_TAIL, HEAD = "logits", "top_k", "top_k_tail", "head"
 HIDDEN_STATES, ATTENTIONS = "hidden_states", "attentions"
-OUTPUTS = (LOGITS, TOP_K, TOP_K_TAIL, HEAD, HIDDEN_STATES, ATTENTIONS)
+SAMPLED = "sampled"
+OUTPUTS = (LOGITS, TOP_K, TOP_K_TAIL, HEAD, HIDDEN_STATES, ATTENTIONS, SAMPLED)
 """What a teacher may return: dense logits over the whole vocabulary; top-k log-probabilities (renormalised over the
 k, or with the tail's mass as one more outcome); its final hidden states with the output head; every layer's hidden
-states; attention maps."""
+states; attention maps; tokens sampled from its distribution (a sampled store: forward KL's unbiased estimate)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class TeacherCard:
     model_type: str | None = None
     config: Any = field(default=None, compare=False, repr=False)
     """Its model config (a ``PretrainedConfig``) where it has one: what a fresh student is built from."""
+    sample_temperature: float | None = None
+    """A sampled teacher's (``SAMPLED``): the temperature its tokens were drawn at, which its losses' must equal."""
     is_student: bool = False
     """It is the student's own network (a self-teacher): the run's tokenizer is then the student's."""
 

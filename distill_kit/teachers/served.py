@@ -31,6 +31,19 @@ Options (``TeacherSpec.options``), with their defaults:
   :class:`TeacherUnavailable` (the run checkpoints and exits; ``--resume`` when the server is back).
 * ``max_response_bytes`` (256 MiB): the largest answer read; a larger one is refused as it arrives.
 * ``rows_per_request`` (8), ``max_in_flight`` (4).
+* ``payload`` (``top_k``): ``hidden`` asks the project's server for each position's final hidden state (after the
+  final norm, in the teacher's dtype: H values a position, 2 H bytes in bf16) instead of top-k targets; the forward
+  returns a :class:`~losses.fused.HeadOutput`, and the loss applies the teacher's head chunk by chunk exactly as it
+  applies an in-process teacher's (``losses/chunked.py:head_chunk_loss``). So every whole-distribution use works:
+  every divergence at any temperature, ``combine: mixture`` and ``route``, evaluation's KL. vLLM and SGLang serve
+  top-k log-probabilities only (refused at the start). The head (V x H in the teacher's dtype, e.g. 1.09 GB in bf16
+  for Qwen2-7B's 152,064 x 3,584) is held on the training device.
+* ``head`` (none): the teacher's ``save_pretrained`` folder to read the head from (its head's tensors only); none:
+  fetched from the server once (``GET /v1/head``). Either way its sha256 must equal the server's ``head_sha256``:
+  another head is refused before anything is written.
+* ``payload: sampled`` with ``temperature`` (1.0): ``k`` tokens drawn from the teacher at ``temperature`` per position
+  (``/v1/sample``, 9 k bytes), read by forward KL at that temperature as an unbiased estimate (RS-KD), as a sampled
+  store is (``offline/store.py``); the plan refuses other losses and temperatures.
 
 Every answer is checked before anything trains on it (``served_protocol.parse``: JSON types, counts, shapes, ids
 inside the vocabulary, log-probabilities finite-or--inf and <= 0, masses <= 1); one that fails raises
@@ -61,24 +74,31 @@ import numpy as np
 import torch
 
 from distill_kit.config import TeacherSpec
+from distill_kit.engines.head import GatheredHead
 from distill_kit.errors import ConfigError, TeacherFault
 from distill_kit.teachers import served_protocol as protocol
-from distill_kit.teachers.base import TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.base import HEAD, SAMPLED, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.kinds import is_url
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
 from distill_kit.teachers.tokenizers import vocabulary_sha256
-from losses.sparse import SparseTeacherLogits
+from losses.fused import HeadOutput
+from losses.sparse import SampledTeacherLogits, SparseTeacherLogits
 
 LOG = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {"k": 20, "api": "distill_kit", "tail": True, "tokenizer": None, "api_key_env": None,
                             "timeout_s": 120.0, "wait_s": 300.0, "retries_s": 600.0, "rows_per_request": 8,
-                            "max_in_flight": 4, "max_response_bytes": 256 << 20}
+                            "max_in_flight": 4, "max_response_bytes": 256 << 20, "payload": "top_k", "head": None,
+                            "temperature": 1.0}
+PAYLOADS = ("top_k", "hidden", "sampled")
+"""What a served teacher sends a position: its top-k log-probabilities (every server); its final hidden state, to
+which the client applies the teacher's head at the loss (the whole distribution); or k tokens drawn from it at
+``temperature`` (forward KL's unbiased estimate). The last two: the project's server only."""
 # max_response_bytes: the defaults' 8 rows of 2,048 tokens at k = 20 are 2.7 MB from /v1/topk (8 bytes an id and
 # value) and ~26 MB as vLLM's JSON (k + 1 entries of ~75 bytes a position); 256 MiB leaves ~10x that for longer rows
 # or a larger k, and bounds the memory max_in_flight answers can take. Past it: lower rows_per_request.
 TRANSPORT_OPTIONS = ("api_key_env", "timeout_s", "wait_s", "retries_s", "rows_per_request", "max_in_flight",
-                     "max_response_bytes")
+                     "max_response_bytes", "head")
 """The options that say how requests travel, not what comes back: a resumed run may change them (the others, and
 the weights' sha256, are the teacher's identity)."""
 
@@ -132,6 +152,14 @@ class ServedCard(TeacherCard):
     """The name the server serves the model under (vLLM's ``model`` field)."""
     teacher_sha256: str | None = None
     """The server's weights' sha256 (the project's server), what checkpoints record as the teacher."""
+    payload: str = "top_k"
+    head_sha256: str | None = None
+    """``payload: hidden``: the head's sha256 the server reported (and the local folder's matched)."""
+    head_dtype: str | None = None
+    """``payload: hidden``: the dtype of the hidden states and head (``served_protocol.DTYPES``)."""
+    head_shape: tuple[int, int] | None = None
+    """``payload: hidden``: the head's (V, H), as the server reports them."""
+    head_bias: bool = False
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -154,6 +182,18 @@ def options_of(spec: TeacherSpec) -> dict[str, Any]:
     for name in ("timeout_s", "wait_s", "retries_s"):
         if not (isinstance(opts[name], int | float) and not isinstance(opts[name], bool) and opts[name] >= 0):
             problems.append(f"{name} must be a number of seconds >= 0, got {opts[name]!r}")
+    if opts["payload"] not in PAYLOADS:
+        problems.append(f"payload {opts['payload']!r}: choose one of {', '.join(PAYLOADS)}")
+    temperature = opts["temperature"]
+    if not (isinstance(temperature, int | float) and not isinstance(temperature, bool) and 0 < temperature < 1e6):
+        problems.append(f"temperature must be a number > 0, got {temperature!r}")
+    if opts["payload"] != "sampled" and temperature != 1.0:
+        problems.append(f"temperature {temperature!r}: only payload: sampled draws at a temperature (top-k "
+                        "log-probabilities come at 1 and the loss applies its own; payload: hidden is exact at any)")
+    if opts["payload"] == "sampled" and isinstance(opts["k"], int) and opts["k"] > 255:
+        problems.append(f"k = {opts['k']}: payload: sampled draws 1 to 255 tokens a position (counts are one byte)")
+    if opts["head"] is not None and not isinstance(opts["head"], str | Path):
+        problems.append(f"head must be the teacher's folder (a path), got {opts['head']!r}")
     if not isinstance(opts["tail"], bool):
         problems.append(f"tail must be true or false, got {opts['tail']!r}")
     if opts["api_key_env"] is not None and not os.environ.get(opts["api_key_env"]):
@@ -190,6 +230,8 @@ class Transport:
         self.client = httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(
             None, connect=min(10.0, deadline or 10.0)))
         self.slots = asyncio.Semaphore(opts["max_in_flight"])
+        self.received = 0
+        """Bytes of answers read whole (the benchmarks' bytes on the wire)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="served-teacher", daemon=True)
         self.thread.start()
@@ -197,13 +239,14 @@ class Transport:
     def submit(self, work: Coroutine[Any, Any, Any]) -> Future:
         return asyncio.run_coroutine_threadsafe(work, self.loop)
 
-    async def fetch(self, method: str, path: str, body: Any = None, *, what: str = "") -> tuple[int, bytes]:
+    async def fetch(self, method: str, path: str, body: Any = None, *, what: str = "",
+                    cap: int | None = None) -> tuple[int, bytes]:
         """One request: its status and body. :class:`TeacherTimeout` past ``timeout_s``, :class:`TeacherResponseError`
         past ``max_response_bytes``; httpx's transport errors pass through (the caller retries them)."""
         deadline = self.opts["timeout_s"] or None
         async with self.slots:
             try:
-                return await asyncio.wait_for(self._fetch(method, path, body), deadline)
+                return await asyncio.wait_for(self._fetch(method, path, body, cap), deadline)
             except asyncio.TimeoutError:
                 raise TeacherTimeout(
                     f"{self.named.model}: the teacher server at {self.url} did not answer {path} within timeout_s="
@@ -212,8 +255,9 @@ class Transport:
                     f"more GPUs; {self.named.stop}: {self.named.resume}"
                 ) from None
 
-    async def _fetch(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
-        cap = int(self.opts["max_response_bytes"])
+    async def _fetch(self, method: str, path: str, body: Any, cap: int | None = None) -> tuple[int, bytes]:
+        """``cap``: this request's largest answer (the head's exact size); else ``max_response_bytes``."""
+        cap = int(self.opts["max_response_bytes"]) if cap is None else cap
         async with self.client.stream(method, self.url + path, json=body) as reply:
             length = reply.headers.get("content-length", "")
             if length.isdigit() and int(length) > cap:
@@ -224,6 +268,7 @@ class Transport:
                 if size > cap:
                     raise self.too_large(f"{size} bytes read")
                 chunks.append(chunk)
+            self.received += size
             return reply.status_code, b"".join(chunks)
 
     def too_large(self, seen: str) -> TeacherResponseError:
@@ -313,7 +358,8 @@ def server_info(url: str, opts: Mapping[str, Any], named: Labels) -> dict[str, A
 
 INFO_TYPES: dict[str, tuple[type, ...]] = {"model": (str,), "vocab_size": (int,), "tokenizer_sha256": (str,),
                                            "teacher_sha256": (str,), "max_k": (int,), "max_model_len": (int,),
-                                           "config": (dict,)}
+                                           "config": (dict,), "payloads": (list,), "head_sha256": (str,),
+                                           "hidden_size": (int,), "hidden_dtype": (str,), "head_bias": (bool,)}
 """What each field a server reports of itself must be (null allowed): a start trusts none it cannot read."""
 
 
@@ -336,13 +382,64 @@ def _info(api: str, document: Any, url: str, named: Labels) -> dict[str, Any]:
     else:
         info = {"model": document.get("model_path"), "max_model_len": document.get("max_model_len")}
     wrong = [f"{name} is {json.dumps(info[name], default=str)[:40]}" for name, types in INFO_TYPES.items()
-             if info.get(name) is not None and (not isinstance(info[name], types) or isinstance(info[name], bool)
+             if info.get(name) is not None and (not isinstance(info[name], types)
+                                                or (isinstance(info[name], bool) and types != (bool,))
                                                 or (types == (int,) and info[name] < 1))]
+    if info.get("hidden_dtype") is not None and info["hidden_dtype"] not in protocol.DTYPES:
+        wrong.append(f"hidden_dtype is {json.dumps(info['hidden_dtype'])[:40]}")
     if wrong:
         raise ConfigError(f"{named.model}: {url}{path} reports {', '.join(wrong)}: not a teacher server's facts "
                           f"(a number >= 1, a string or an object where each belongs); check the URL and "
                           f"{named.option('api')}")
     return info
+
+
+_HEADS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+"""Heads read from a folder by ``describe`` (to check their sha256), taken by the teacher's ``__init__``: read once."""
+
+
+def _payload_problems(opts: Mapping[str, Any], info: Mapping[str, Any], named: Labels) -> list[str]:
+    """What ``payload: hidden`` cannot have of this server: another API (vLLM, SGLang serve top-k log-probabilities
+    only), a model whose logits are not its head's output, a local head other than the server's (by sha256)."""
+    payload = opts["payload"]
+    if payload == "top_k":
+        return []
+    option = named.option("payload")
+    if opts["api"] != "distill_kit":
+        field = "prompt_logprobs" if opts["api"] == "vllm" else "input_top_logprobs"
+        what = "hidden states" if payload == "hidden" else "sampled tokens"
+        return [f"{option}: {payload}: a {opts['api']} server serves top-k log-probabilities ({field}), not {what}: "
+                f"use {option}: top_k (k up to its --max-logprobs), or serve the teacher with "
+                f"scripts/serve_teacher.py for payload: {payload}"]
+    if payload == "sampled":
+        return [] if "sampled" in (info.get("payloads") or []) else [
+            f"{option}: sampled: the server gives no sampled tokens (its /info payloads: "
+            f"{info.get('payloads') or ['top_k']}): a server that predates them; use payload: top_k"]
+    if "hidden" not in (info.get("payloads") or []) or not info.get("head_sha256") or not info.get("hidden_size"):
+        return [f"{option}: hidden: the server gives no hidden states (its /info payloads: "
+                f"{info.get('payloads') or ['top_k']}): its model's logits are not exactly its head's output "
+                "(engines/head.py EXACT_HEADS), or the server predates them; use payload: top_k"]
+    folder = opts["head"]
+    if folder is None:
+        return []
+    from distill_kit.teachers.served_head import load_head
+
+    dtype = _TORCH_DTYPES[info["hidden_dtype"]]
+    try:
+        weight, bias = load_head(folder, dtype)
+    except (ConfigError, OSError, ValueError) as err:
+        return [f"{named.option('head')} {str(folder)!r}: {err}"]
+    ours = protocol.head_digest(weight, bias)
+    if ours != info["head_sha256"]:
+        return [f"{named.option('head')} {str(folder)!r}: its head's sha256 ({ours[:12]}, in {info['hidden_dtype']}) "
+                f"is not the server's ({info['head_sha256'][:12]}): the folder holds another model or revision than "
+                f"the server serves; point {named.option('head')} at the served model's folder, or leave it out to "
+                "take the head from the server"]
+    _HEADS[(str(folder), ours)] = (weight, bias)
+    return []
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ServedTeacher(Teacher):
@@ -359,13 +456,15 @@ class ServedTeacher(Teacher):
         url = str(spec.model).rstrip("/")
         info = server_info(url, opts, named)
         problems = []
-        if info.get("max_k") is not None and opts["k"] > int(info["max_k"]):
+        hidden, sampled = opts["payload"] == "hidden", opts["payload"] == "sampled"
+        problems += _payload_problems(opts, info, named)
+        if not hidden and info.get("max_k") is not None and opts["k"] > int(info["max_k"]):  # top_k, sampled
             problems.append(f"{named.option('k')} = {opts['k']}: the server gives at most {info['max_k']} "
                             "(serve_teacher.py --max-k, vllm serve --max-logprobs)")
         local = opts["tokenizer"]
-        if local is not None:
-            from distill_kit.engines.models import has_tokenizer
+        from distill_kit.engines.models import has_tokenizer
 
+        if local is not None:
             if not has_tokenizer(local):
                 problems.append(f"{named.option('tokenizer')} {local!r} holds no tokenizer (tokenizer.json or "
                                 "tokenizer_config.json); give the folder of the server's model's tokenizer")
@@ -373,8 +472,6 @@ class ServedTeacher(Teacher):
                 problems.append(f"the server's tokenizer (vocabulary sha256 {info['tokenizer_sha256'][:12]}) is not "
                                 f"{named.option('tokenizer')}'s ({local!r}: {ours[:12]}): serve a model with this "
                                 f"run's tokenizer, or point {named.option('tokenizer')} at the server model's")
-        if problems:
-            raise ConfigError(f"{named.model}: " + "; ".join(problems))
         config = _config(info.get("config"))
         text = config.get_text_config() if config is not None else None
         vocab = info.get("vocab_size") or (getattr(text, "vocab_size", None) if text is not None else None)
@@ -382,14 +479,24 @@ class ServedTeacher(Teacher):
             from distill_kit.engines.models import model_config  # vLLM, SGLang: the served model's folder says
 
             vocab = getattr(model_config(local).get_text_config(), "vocab_size", None)
-        outputs = {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
+        if not hidden and vocab is not None and opts["k"] > int(vocab):
+            problems.append(f"{named.option('k')} = {opts['k']}: above the teacher's vocabulary ({vocab} tokens); give "
+                            f"k <= {vocab} (or payload: hidden for the whole distribution)")
+        if problems:
+            raise ConfigError(f"{named.model}: " + "; ".join(problems))
+        outputs = {HEAD} if hidden else {SAMPLED} if sampled else {TOP_K} | ({TOP_K_TAIL} if opts["tail"] else set())
         return ServedCard(
             kind=cls.kind, source=url, outputs=frozenset(outputs), can_generate=False, vocab_size=vocab,
             tokenizer=str(local) if local is not None else None, positions=info.get("max_model_len"),
             hidden_size=getattr(text, "hidden_size", None), num_layers=getattr(text, "num_hidden_layers", None),
             eos_token_id=getattr(text, "eos_token_id", None), model_type=getattr(config, "model_type", None),
             config=config, api=opts["api"], k=opts["k"], served_model=info.get("model"),
-            tokenizer_sha256=info.get("tokenizer_sha256"), teacher_sha256=info.get("teacher_sha256"), options=opts)
+            tokenizer_sha256=info.get("tokenizer_sha256"), teacher_sha256=info.get("teacher_sha256"), options=opts,
+            payload=opts["payload"], head_sha256=info.get("head_sha256") if hidden else None,
+            head_dtype=info.get("hidden_dtype") if hidden else None,
+            head_shape=(int(vocab), int(info["hidden_size"])) if hidden and vocab else None,
+            head_bias=bool(info.get("head_bias")) if hidden else False,
+            sample_temperature=float(opts["temperature"]) if sampled else None)
 
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         super().__init__(spec, card, setup)
@@ -405,10 +512,46 @@ class ServedTeacher(Teacher):
                         ">= 0; give %s the served model's folder (with its config.json) to check them against it",
                         self.named.model, self.url, self.named.option("tokenizer"))
         self.transport = Transport(self.url, self.opts, self.named)
+        self.payload = self.opts["payload"]
+        self.head: GatheredHead | None = None
+        if self.payload == "hidden":
+            self.head = self._head(card)
         self.pending: OrderedDict[str, tuple[list[tuple[int, np.ndarray]], list[Future]]] = OrderedDict()
         self.lock = threading.Lock()
         self.waited_s = 0.0
         """Seconds ``forward`` spent waiting on the server (what prefetch did not hide), for benchmarks."""
+
+    def _head(self, card: TeacherCard) -> GatheredHead:
+        """The teacher's head on the training device: the folder's (read by ``describe``) or the server's, fetched
+        once and checked against ``head_sha256``; and the bound its hidden states are checked against."""
+        if not isinstance(card, ServedCard) or card.head_sha256 is None or card.head_dtype is None:
+            raise ConfigError(f"{self.named.model}: payload: hidden needs the card describe() makes of the server")
+        folder = self.opts["head"]
+        if folder is not None:
+            weight, bias = _HEADS.pop((str(folder), card.head_sha256), (None, None))
+            if weight is None:
+                from distill_kit.teachers.served_head import load_head
+
+                weight, bias = load_head(folder, _TORCH_DTYPES[card.head_dtype])
+                if protocol.head_digest(weight, bias) != card.head_sha256:
+                    raise ConfigError(f"{self.named.option('head')} {str(folder)!r}: its head is not the server's "
+                                      "(sha256)")
+        else:
+            shape = card.head_shape
+            size = protocol.head_size(*shape, card.head_dtype, card.head_bias) + (1 << 20)  # + its header, at most
+            status, body = self.transport.submit(self.transport.fetch("GET", "/v1/head", cap=size,
+                                                                      what=" (the teacher's head)")).result()
+            try:
+                if status != 200:
+                    raise TeacherResponseError(f"HTTP {status} to /v1/head: {body[:300].decode('utf-8', 'replace')}")
+                weight, bias = protocol.decode_head(body, shape, card.head_dtype, card.head_sha256)
+            except TeacherResponseError as err:
+                raise TeacherResponseError(f"{self.named.model}: the teacher server at {self.url} sent a head that "
+                                           f"cannot be used: {err}") from None
+        weight = weight.to(self.device)
+        bias = None if bias is None else bias.to(self.device)
+        self.head_bound = (float(weight.abs().max()), 0.0 if bias is None else float(bias.abs().max()))
+        return GatheredHead(weight, bias)
 
     # ------------------------------------------------------------------------------------------- the step
 
@@ -424,8 +567,9 @@ class ServedTeacher(Teacher):
 
     def forward(self, inputs: Mapping[str, Any]) -> ServedOutput:
         if inputs.get("output_hidden_states") or inputs.get("output_attentions"):
-            raise ConfigError(f"{self.named.model}: a served teacher returns top-k log-probabilities only; "
-                              "hidden-state and attention losses need an in-process teacher (kind: engine)")
+            raise ConfigError(f"{self.named.model}: a served teacher returns top-k log-probabilities or its final "
+                              "hidden states only; hidden-state and attention losses need an in-process teacher "
+                              "(kind: engine)")
         key = _key(inputs)
         with self.lock:
             sent = self.pending.pop(key, None)
@@ -433,6 +577,11 @@ class ServedTeacher(Teacher):
         start = time.perf_counter()
         answers = [future.result() for future in futures]
         self.waited_s += time.perf_counter() - start
+        if self.payload == "hidden":
+            return HeadOutput(hidden=self._assemble_hidden(inputs, segments, [t for part in answers for t in part]),
+                              head=self.head)
+        if self.payload == "sampled":
+            return ServedOutput(self._assemble_sampled(inputs, segments, [t for part in answers for t in part]))
         return ServedOutput(self._assemble(inputs, segments, [t for part in answers for t in part]))
 
     def _send(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[int, np.ndarray]], list[Future]]:
@@ -459,6 +608,31 @@ class ServedTeacher(Teacher):
         return SparseTeacherLogits(torch.from_numpy(values).to(**to), torch.from_numpy(ids).to(**to),
                                    None if tail is None else torch.from_numpy(tail).to(**to))
 
+    def _assemble_hidden(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                         states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(B, T, H) hidden states in the head's dtype: each segment's rows at its positions but its last; zeros
+        elsewhere (positions no loss counts)."""
+        batch, length = inputs["input_ids"].shape
+        weight = self.head.weight
+        out = torch.zeros((batch, length, weight.shape[1]), dtype=weight.dtype)
+        for (row, _, positions), rows in zip(segments, states, strict=True):
+            out[row, torch.as_tensor(positions[:-1])] = rows
+        return out.to(self.device, non_blocking=True)
+
+    def _assemble_sampled(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
+                          drawn: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> SampledTeacherLogits:
+        """(B, T, k) draws at each segment's positions but its last; zeros (count 0) elsewhere."""
+        batch, length = inputs["input_ids"].shape
+        ids = np.zeros((batch, length, self.k), dtype=np.int64)
+        values = np.zeros((batch, length, self.k), dtype=np.float32)
+        counts = np.zeros((batch, length, self.k), dtype=np.uint8)
+        for (row, _, positions), (got_ids, got_values, got_counts) in zip(segments, drawn, strict=True):
+            where = positions[:-1]
+            ids[row, where], values[row, where], counts[row, where] = got_ids, got_values, got_counts
+        to = {"device": self.device}
+        return SampledTeacherLogits(torch.from_numpy(values).to(**to), torch.from_numpy(ids).to(**to),
+                                    torch.from_numpy(counts).to(**to), float(self.opts["temperature"]))
+
     # ----------------------------------------------------------------------------------------- one request
 
     async def _request(self, prompts: list[list[int]]) -> list[PromptTargets]:
@@ -466,8 +640,14 @@ class ServedTeacher(Teacher):
         answer checked whole (``protocol.parse``) before it is returned."""
         import httpx
 
-        body = protocol.request_body(self.api, prompts, self.k, self.served_model)
-        path = protocol.ENDPOINTS[self.api]
+        if self.payload == "hidden":
+            body, path = {"prompts": prompts}, "/v1/hidden"
+        elif self.payload == "sampled":
+            body = {"prompts": prompts, "k": self.k, "temperature": float(self.opts["temperature"])}
+            path = "/v1/sample"
+        else:
+            body = protocol.request_body(self.api, prompts, self.k, self.served_model)
+            path = protocol.ENDPOINTS[self.api]
         what = f" ({len(prompts)} prompts, {sum(map(len, prompts))} tokens)"
         first_failure, delay = None, 0.5
         while True:
@@ -482,6 +662,11 @@ class ServedTeacher(Teacher):
                 if status != 200:
                     raise TeacherResponseError(f"HTTP {status} to {path}{what}: "
                                                f"{content[:300].decode('utf-8', 'replace')}")
+                if self.payload == "hidden":
+                    return self._hidden(content, prompts)
+                if self.payload == "sampled":
+                    return protocol.decode_sample(content, prompts, self.k, float(self.opts["temperature"]),
+                                                  self.vocab_size)
                 return protocol.parse(self.api, content, prompts, self.k, self.vocab_size)
             except TeacherResponseError as err:
                 raise TeacherResponseError(
@@ -502,6 +687,14 @@ class ServedTeacher(Teacher):
                 LOG.warning("teacher server %s: %s; retrying in %.1f s", self.url, err, delay)
                 await asyncio.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
                 delay = min(delay * 2, 10.0)
+
+    def _hidden(self, content: bytes, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """A ``/v1/hidden`` answer checked whole (``served_protocol.decode_hidden``: framing, tokens, width, dtype,
+        finite; then a scale the head turns into finite logits), split per prompt."""
+        weight = self.head.weight
+        states = protocol.decode_hidden(content, prompts, int(weight.shape[1]), protocol.dtype_name(weight.dtype),
+                                        self.head_bound)
+        return list(states.split([max(len(p) - 1, 0) for p in prompts]))
 
     # ------------------------------------------------------------------------------------------ identity
 

@@ -9,6 +9,10 @@ A store holds one row per real token, the last one the teacher's prediction afte
 a prompt's positions but its last (``served_protocol``). So each block is sent with one more token after its end
 (its own last token again: any id would do, a causal model's earlier positions never see it), and the row that
 token's position gives is that prediction.
+
+A sampled store (``--targets sampled``) is drawn on this side from the teacher's whole distribution: the server
+sends its final hidden states (``payload: hidden``, the project's server only) and the client applies the head and
+samples (``offline/capture.py:sample``), as an in-process capture does from the logits.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from distill_kit.config import TeacherSpec
 from distill_kit.engines import models
 from distill_kit.errors import ConfigError
-from distill_kit.offline.capture import CaptureConfig, Rows, fill_store
+from distill_kit.offline.capture import CaptureConfig, Rows, fill_store, targets_of
 from distill_kit.offline.store import Manifest
 from distill_kit.teachers import kinds, served
 from distill_kit.teachers.base import TeacherSetup
@@ -48,12 +52,20 @@ def capture(url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
     if config.hidden_layers:
         raise ConfigError("--hidden-layers: a served teacher gives top-k log-probabilities only; capture hidden "
                           "states in-process (--teacher with the model's folder)")
-    given = sorted(set(options or {}) & {"k", "tail"})
+    given = sorted(set(options or {}) & {"k", "tail", "payload"})
     if given:
         raise ConfigError(f"--teacher-options: {given} are the store's, not the server's; give --k (a store always "
-                          "keeps the tail)")
+                          "keeps the tail) and --targets")
+    sampled = config.targets == "sampled"
+    api = (options or {}).get("api", "distill_kit")
+    if sampled and api != "distill_kit":
+        raise ConfigError(f"--targets sampled from --teacher {url}: the draws are made from the teacher's whole "
+                          f"distribution, which only the project's server sends (its hidden states); a {api} server "
+                          "gives top-k log-probabilities: capture --targets top_k from it, or serve the teacher with "
+                          "scripts/serve_teacher.py")
     spec = TeacherSpec(name="capture", model=url, kind="served",
-                       options={**(options or {}), "k": config.k, "tail": True})
+                       options={**(options or {}), "k": config.k, "tail": True}
+                       | ({"payload": "hidden"} if sampled else {}))
     unknown = sorted(set(spec.options) - set(ServedTeacher.options))
     if unknown:
         raise ConfigError(f"--teacher-options: {unknown} are not options of a served teacher; it takes "
@@ -71,7 +83,7 @@ FLAGS = served.Labels(model="--teacher", options="--teacher-options", sep=" ",
 def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Dataset, out: str | Path,
              config: CaptureConfig) -> Manifest:
     info = served.server_info(str(url).rstrip("/"), served.options_of(spec), FLAGS)
-    if info.get("max_k") is not None and config.k > int(info["max_k"]):
+    if spec.options.get("payload") != "hidden" and info.get("max_k") is not None and config.k > int(info["max_k"]):
         raise ConfigError(f"--k {config.k}: the teacher server at {url} gives at most {info['max_k']} tokens a "
                           f"position; capture with --k {info['max_k']} or less, or restart the server with a larger "
                           "--max-k (vllm serve: --max-logprobs)")
@@ -85,13 +97,13 @@ def _capture(spec: TeacherSpec, url: str, tokenizer: Any, blocks: datasets.Datas
     try:
         first = torch.as_tensor(blocks[0]["input_ids"][:1])[None]
         try:  # one block of one token: the server's limits and dialect met before any write
-            store_rows(teacher, {"input_ids": first, "attention_mask": torch.ones_like(first)}, 1)
+            store_rows(teacher, {"input_ids": first, "attention_mask": torch.ones_like(first)}, 1, config)
         except TeacherResponseError as err:
             raise ConfigError(f"--teacher {url}: its answer at --k {config.k} cannot fill a store ({err}); check --k "
                               "against the server's limit (vllm serve --max-logprobs) and --teacher-options' api"
                               ) from None
         try:
-            return fill_store(lambda batch, real: store_rows(teacher, batch, real), url, teacher.identity,
+            return fill_store(lambda batch, real: store_rows(teacher, batch, real, config), url, teacher.identity,
                               teacher_config.to_dict(), tokenizer, blocks, out, config)
         except TeacherUnavailable as err:  # gone, or too slow: what a run says of it, less a run's --resume advice
             raise CaptureStopped(f"--teacher {url} stopped answering mid-capture: {_cause(err)}. {_resumes(out)}"
@@ -121,7 +133,8 @@ def _cause(err: Exception) -> str:
     return " ".join(kept or clauses[:1]).rstrip(" .;")
 
 
-def store_rows(teacher: ServedTeacher, batch: Mapping[str, torch.Tensor], real: int) -> Rows:
+def store_rows(teacher: ServedTeacher, batch: Mapping[str, torch.Tensor], real: int,
+               config: CaptureConfig | None = None) -> Rows:
     """The store's rows of the micro-batch's first ``real`` blocks (right-padded, as ``data/blocks.py`` makes them),
     each block sent with one more token so that its last real position is scored too (module docstring). Filler
     rows (the rest) are not sent: a server's forward is no collective."""
@@ -132,8 +145,12 @@ def store_rows(teacher: ServedTeacher, batch: Mapping[str, torch.Tensor], real: 
                          "data.blocks.tokenize_to_blocks builds them")
     wide_ids, wide_mask = F.pad(ids, (0, 1)), F.pad(mask, (0, 1))
     wide_ids[rows, lengths], wide_mask[rows, lengths] = ids[rows, lengths - 1], 1
-    targets = teacher.forward({"input_ids": wide_ids, "attention_mask": wide_mask}).logits
+    out = teacher.forward({"input_ids": wide_ids, "attention_mask": wide_mask})
     keep = F.pad(mask, (0, 1)).bool()
+    if config is not None and config.targets == "sampled":  # the head applied here, one micro-batch at a time
+        values, ids, counts = targets_of(out.logits[keep], ids, config)
+        return values, ids, counts, {}
+    targets = out.logits
     return targets.log_probs[keep], targets.ids[keep], targets.log_tail[keep], {}
 
 

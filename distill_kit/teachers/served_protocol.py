@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from distill_kit.errors import TeacherResponseError, TeacherUnavailable
 
@@ -429,4 +430,233 @@ def decode_topk(body: bytes, prompts: Sequence[Sequence[int]], k: int) -> list[P
         stop = start + max(len(prompt) - 1, 0)
         out.append(PromptTargets(ids[start:stop], values[start:stop], None if tails is None else tails[start:stop]))
         start = stop
+    return out
+
+
+# ------------------------------------------------------------------------------------ hidden states and the head
+
+HIDDEN_MAGIC = b"DKH1"
+"""The first bytes of a ``/v1/hidden`` response: then a uint32 header length, the JSON header, (N, H) values."""
+HEAD_MAGIC = b"DKW1"
+"""The first bytes of a ``/v1/head`` response: then a uint32 header length, the JSON header, (V, H) weight, bias."""
+HIDDEN_MEDIA_TYPE = "application/vnd.distill-kit.hidden"
+DTYPES = {"float32": ("<f4", 4), "bfloat16": ("<u2", 2), "float16": ("<f2", 2)}
+"""The dtypes a hidden state or head may travel in: name -> (the little-endian array type of its raw bytes, bytes an
+element). bfloat16 has no numpy type: its bytes travel as uint16 and are viewed as ``torch.bfloat16`` again."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (a key of :data:`DTYPES`), or a ValueError naming the ones that travel."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name}: hidden states and heads travel as {', '.join(DTYPES)}")
+    return name
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's raw little-endian bytes, in its own dtype (bfloat16's as its 16 bits)."""
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().astype(tensor.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def from_bytes(body: bytes | memoryview, dtype: str, count: int, offset: int) -> torch.Tensor:
+    """``count`` elements of ``dtype`` (a :data:`DTYPES` name) at ``offset`` of ``body``, as a fresh torch tensor."""
+    kind, _ = DTYPES[dtype]
+    array = np.frombuffer(body, dtype=kind, count=count, offset=offset).astype(kind[1:], copy=True)
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def head_digest(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """sha256 of a head as it computes: its shape, its dtype's name, the weight's raw bytes, then the bias's (if
+    any). The server's and a local copy's agree only when every bit of the head the loss applies does."""
+    digest = hashlib.sha256(json.dumps({"shape": list(weight.shape), "dtype": dtype_name(weight.dtype),
+                                        "bias": bias is not None}).encode())
+    for rows in weight.detach().split(8192):  # a chunk at a time: a bf16 7B head is 1 GB
+        digest.update(tensor_bytes(rows))
+    if bias is not None:
+        digest.update(tensor_bytes(bias))
+    return digest.hexdigest()
+
+
+def _framed(magic: bytes, header: dict[str, Any], *parts: bytes) -> bytes:
+    encoded = json.dumps(header).encode()
+    return b"".join([magic, struct.pack("<I", len(encoded)), encoded, *parts])
+
+
+def _unframe(body: bytes, magic: bytes, what: str) -> tuple[dict[str, Any], int]:
+    """A framed body's JSON header and where its arrays start, or the refusal naming ``what`` was expected."""
+    if body[:4] != magic or len(body) < 8:
+        head = body[:80].decode("utf-8", "replace")
+        raise TeacherResponseError(f"the {what} answer is not a distill_kit body (it starts {head!r}): an error page, "
+                                   "another service, or a server of another version")
+    (size,) = struct.unpack("<I", body[4:8])
+    if 8 + size > len(body) or size > 1 << 20:
+        raise TeacherResponseError(f"the {what} answer is cut off: its header says {size} bytes, {len(body) - 8} "
+                                   "follow")
+    header = _json(body[8:8 + size])
+    if not isinstance(header, dict):
+        raise TeacherResponseError(f"the {what} header is {_shown(header)} where an object belongs")
+    return header, 8 + size
+
+
+def encode_hidden(prompts: Sequence[Sequence[int]], hidden: torch.Tensor) -> bytes:
+    """The ``/v1/hidden`` body: ``HIDDEN_MAGIC``, uint32 header length, JSON header (``lengths``, ``tokens_sha256``,
+    ``hidden_size``, ``dtype``), then ``hidden`` (N, H) raw in its dtype, N = sum of (L - 1) over the prompts: row
+    ``j`` of a prompt is the final hidden state (after the final norm) at its token ``j``, whose head output predicts
+    token ``j + 1``."""
+    header = {"lengths": [len(p) for p in prompts], "tokens_sha256": tokens_digest(prompts),
+              "hidden_size": int(hidden.shape[-1]), "dtype": dtype_name(hidden.dtype)}
+    return _framed(HIDDEN_MAGIC, header, tensor_bytes(hidden))
+
+
+def decode_hidden(body: bytes, prompts: Sequence[Sequence[int]], hidden_size: int, dtype: str,
+                  head_abs_max: tuple[float, float] | None = None) -> torch.Tensor:
+    """:func:`encode_hidden`'s body back to an (N, H) tensor, refused unless it is whole, for these prompts, of this
+    width and dtype, every value finite and, given the head's ``(max |W|, max |b|)``, of a scale whose logits cannot
+    overflow (:func:`check_hidden_scale`): one pass over the values (each row's largest magnitude)."""
+    if not body:
+        raise TeacherResponseError("the answer is an empty body")
+    header, start = _unframe(body, HIDDEN_MAGIC, "/v1/hidden")
+    if header.get("lengths") != [len(p) for p in prompts] or header.get("tokens_sha256") != tokens_digest(prompts):
+        raise TeacherResponseError("the /v1/hidden header's tokens_sha256 or lengths differ from the prompts sent: "
+                                   "the answer is for other tokens")
+    if header.get("hidden_size") != hidden_size or isinstance(header.get("hidden_size"), bool):
+        raise TeacherResponseError(f"the /v1/hidden header's hidden_size is {_shown(header.get('hidden_size'))}; the "
+                                   f"teacher's head reads {hidden_size}")
+    if header.get("dtype") != dtype:
+        raise TeacherResponseError(f"the /v1/hidden header's dtype is {_shown(header.get('dtype'))}; the server "
+                                   f"said it serves {dtype} (its /info), the head's dtype")
+    n = sum(max(len(p) - 1, 0) for p in prompts)
+    expected = start + n * hidden_size * DTYPES[dtype][1]
+    if len(body) != expected:
+        raise TeacherResponseError(f"the /v1/hidden answer is cut off or padded: {len(body)} bytes, {expected} "
+                                   f"expected for {n} positions of {hidden_size} {dtype} values")
+    hidden = from_bytes(body, dtype, n * hidden_size, start).reshape(n, hidden_size)
+    if not n:
+        return hidden
+    peak = hidden.abs().amax(-1).float()  # NaN and infinity propagate: one reduction checks both and the scale
+    finite = torch.isfinite(peak)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        raise TeacherResponseError(f"hidden[{row}] holds a NaN or an infinity: not a hidden state")
+    if head_abs_max is not None:
+        check_hidden_scale(peak, hidden_size, *head_abs_max, hidden.dtype)
+    return hidden
+
+
+def check_hidden_scale(peak: torch.Tensor, hidden_size: int, weight_abs_max: float, bias_abs_max: float,
+                       dtype: torch.dtype) -> None:
+    """Refuse hidden states whose head outputs could overflow ``dtype``. ``peak`` (N,): each row's largest |h|. A
+    logit is at most ``||h||_1 max|W| + max|b| <= H max|h| max|W| + max|b|``, so rows under ``finfo(dtype).max / 2``
+    of that give finite logits and finite differences of two. A real teacher's bound is ~10^4-10^6; a hostile
+    server's 10^30 is refused here, where it would otherwise turn the loss into inf or NaN."""
+    bound = peak * (hidden_size * weight_abs_max) + bias_abs_max
+    over = bound > torch.finfo(dtype).max / 2
+    if bool(over.any()):
+        row = int(over.nonzero()[0, 0])
+        raise TeacherResponseError(f"hidden[{row}] has max |h| = {float(peak[row]):.3g}: the head's logits from it "
+                                   f"could overflow {dtype_name(dtype)}; not a hidden state of this teacher")
+
+
+def encode_head(weight: torch.Tensor, bias: torch.Tensor | None) -> bytes:
+    """The ``/v1/head`` body: ``HEAD_MAGIC``, uint32 header length, JSON header (``shape``, ``dtype``, ``bias``,
+    ``sha256``: :func:`head_digest`), then the (V, H) weight and the (V,) bias raw in their dtype."""
+    header = {"shape": list(weight.shape), "dtype": dtype_name(weight.dtype), "bias": bias is not None,
+              "sha256": head_digest(weight, bias)}
+    parts = [tensor_bytes(rows) for rows in weight.detach().split(8192)]
+    return _framed(HEAD_MAGIC, header, *parts, *([tensor_bytes(bias)] if bias is not None else []))
+
+
+def head_size(vocab: int, hidden: int, dtype: str, bias: bool) -> int:
+    """The bytes of a ``/v1/head`` answer's arrays (its header is at most 64 KiB more)."""
+    return (vocab * hidden + (vocab if bias else 0)) * DTYPES[dtype][1]
+
+
+def decode_head(body: bytes, shape: tuple[int, int], dtype: str,
+                sha256: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`encode_head`'s body back to ``(weight, bias)``, refused unless it is whole, of ``shape`` and ``dtype``,
+    and its bytes hash to ``sha256`` (what the server's ``/info`` said), every value finite."""
+    header, start = _unframe(body, HEAD_MAGIC, "/v1/head")
+    if header.get("shape") != list(shape) or header.get("dtype") != dtype:
+        said = json.dumps({"shape": header.get("shape"), "dtype": header.get("dtype")}, default=str)[:120]
+        raise TeacherResponseError(f"the /v1/head header says {said}; the server's /info said shape "
+                                   f"{list(shape)}, dtype {dtype}")
+    bias = header.get("bias")
+    if not isinstance(bias, bool):
+        raise TeacherResponseError(f"the /v1/head header's bias is {_shown(bias)} where true or false belongs")
+    expected = start + head_size(*shape, dtype, bias)
+    if len(body) != expected:
+        raise TeacherResponseError(f"the /v1/head answer is cut off or padded: {len(body)} bytes, {expected} expected")
+    count = shape[0] * shape[1]
+    weight = from_bytes(body, dtype, count, start).reshape(shape)
+    vector = from_bytes(body, dtype, shape[0], start + count * DTYPES[dtype][1]) if bias else None
+    if head_digest(weight, vector) != sha256:
+        raise TeacherResponseError("the /v1/head answer's bytes do not hash to the head_sha256 the server's /info "
+                                   "reported: a corrupted transfer or another model")
+    if not bool(torch.isfinite(weight).all()) or (vector is not None and not bool(torch.isfinite(vector).all())):
+        raise TeacherResponseError("the /v1/head answer holds a NaN or an infinity: not a head to train against")
+    return weight, vector
+
+
+# ------------------------------------------------------------------------------------------------ sampled tokens
+
+SAMPLE_MAGIC = b"DKS1"
+"""The first bytes of a ``/v1/sample`` response: then a uint32 header length, the JSON header, the arrays."""
+
+
+def encode_sample(prompts: Sequence[Sequence[int]], k: int, temperature: float, ids: np.ndarray,
+                  log_probs: np.ndarray, counts: np.ndarray) -> bytes:
+    """The ``/v1/sample`` body: ``SAMPLE_MAGIC``, uint32 header length, JSON header (``k``, ``temperature``,
+    ``lengths``, ``tokens_sha256``), then ``ids`` (N, k) int32, ``log_probs`` (N, k) float32 (log p at the
+    temperature) and ``counts`` (N, k) uint8: per position the distinct tokens of k draws and how often each came
+    (``offline/capture.py:sample``)."""
+    header = {"k": k, "temperature": temperature, "lengths": [len(p) for p in prompts],
+              "tokens_sha256": tokens_digest(prompts)}
+    return _framed(SAMPLE_MAGIC, header, np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+                   np.ascontiguousarray(log_probs, dtype="<f4").tobytes(),
+                   np.ascontiguousarray(counts, dtype="u1").tobytes())
+
+
+def decode_sample(body: bytes, prompts: Sequence[Sequence[int]], k: int, temperature: float,
+                  vocab_size: int | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`encode_sample`'s body back to per-prompt ``(ids, log_probs, counts)``, refused unless it is whole, for
+    these prompts, this k and temperature, and every value one a draw can give: each position's counts sum to k, a
+    used slot's id is in the vocabulary, not repeated, and its log-probability finite and <= 0."""
+    if not body:
+        raise TeacherResponseError("the answer is an empty body")
+    header, start = _unframe(body, SAMPLE_MAGIC, "/v1/sample")
+    if header.get("k") != k or isinstance(header.get("k"), bool) or header.get("temperature") != temperature:
+        raise TeacherResponseError(f"the /v1/sample header's k and temperature are {_shown(header.get('k'))} and "
+                                   f"{_shown(header.get('temperature'))}; this run asked for {k} at {temperature}")
+    if header.get("lengths") != [len(p) for p in prompts] or header.get("tokens_sha256") != tokens_digest(prompts):
+        raise TeacherResponseError("the /v1/sample header's tokens_sha256 or lengths differ from the prompts sent: "
+                                   "the answer is for other tokens")
+    n = sum(max(len(p) - 1, 0) for p in prompts)
+    if len(body) != start + n * k * 9:
+        raise TeacherResponseError(f"the /v1/sample answer is cut off or padded: {len(body)} bytes, "
+                                   f"{start + n * k * 9} expected for {n} positions at k = {k}")
+    ids = np.frombuffer(body, dtype="<i4", count=n * k, offset=start).reshape(n, k)
+    values = np.frombuffer(body, dtype="<f4", count=n * k, offset=start + n * k * 4).reshape(n, k)
+    counts = np.frombuffer(body, dtype="u1", count=n * k, offset=start + n * k * 8).reshape(n, k)
+    used = counts > 0
+    high = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    wide = values.astype(np.float64)
+    ordered = np.sort(np.where(used, ids.astype(np.int64), -1 - np.arange(k)), axis=-1)  # unused slots: distinct
+    checks = ((np.repeat((counts.sum(-1, dtype=np.int64) != k)[:, None], k, axis=1), "counts that do not sum to k"),
+              (used & ((ids < 0) | (ids >= high)), "an id outside the vocabulary"),
+              (used & ~(np.isfinite(wide) & (wide <= LOG_PROB_SLACK)),
+               "a log-probability that is not finite and <= 0 (a token drawn has some probability)"),
+              (np.pad(ordered[:, 1:] == ordered[:, :-1], ((0, 0), (1, 0))), "an id given twice in one position"))
+    for bad, what in checks:
+        if bad.any():
+            row, column = map(int, np.argwhere(bad)[0])
+            raise TeacherResponseError(f"/v1/sample position {row}, slot {column}: {what}")
+    out, begin = [], 0
+    for prompt in prompts:
+        stop = begin + max(len(prompt) - 1, 0)
+        out.append((ids[begin:stop], values[begin:stop], counts[begin:stop]))
+        begin = stop
     return out

@@ -11,6 +11,15 @@
   or the tests, can use one code path against this server and a real vLLM.
 * ``POST /v1/topk``: ``{"prompts": [[ids]], "k": k}`` -> the binary body of ``served_protocol.encode_topk``, with
   the tail's exact mass: parsing it costs a copy, where JSON costs a Python object per entry.
+* ``POST /v1/hidden``: ``{"prompts": [[ids]]}`` -> each position's final hidden state (after the final norm, in
+  the model's dtype), ``served_protocol.encode_hidden``; ``GET /v1/head``: the output head's weight and bias,
+  ``served_protocol.encode_head``, whose sha256 ``/info`` reports as ``head_sha256``. The client applies the head at
+  the loss, as an in-process teacher's head is applied (``losses/chunked.py:head_chunk_loss``): the whole
+  distribution at H values a position. Only for models whose logits are exactly ``head(hidden)``
+  (``engines/head.py:EXACT_HEADS``; ``/info``'s ``payloads`` says).
+* ``POST /v1/sample``: ``{"prompts": [[ids]], "k": k, "temperature": t}`` -> per position k tokens drawn from the
+  teacher at ``t`` (their distinct ids, log-probabilities and counts: ``served_protocol.encode_sample``), for forward
+  KL's unbiased estimate (RS-KD), at 9 k bytes a position; seeded by the request's tokens.
 
 Requests to the model are served one forward at a time (a lock): the client keeps several in flight so the next is
 queued while one runs. With ``api_key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``, as
@@ -112,6 +121,16 @@ class TopKRequest(BaseModel):
     k: int
 
 
+class HiddenRequest(BaseModel):
+    prompts: list[list[int]]
+
+
+class SampleRequest(BaseModel):
+    prompts: list[list[int]]
+    k: int
+    temperature: float = 1.0
+
+
 class CompletionRequest(BaseModel):
     """The fields of vLLM's ``CompletionRequest`` this server reads; others are ignored, as vLLM ignores none."""
 
@@ -141,10 +160,12 @@ class Scorer:
         self.max_batch_tokens, self.chunk_tokens = max_batch_tokens, chunk_tokens
         self.lock = threading.Lock()
 
-    def batches(self, prompts: Sequence[Sequence[int]]) -> Iterator[tuple[Sequence[Sequence[int]], torch.Tensor]]:
+    def batches(self, prompts: Sequence[Sequence[int]], hidden: bool = False
+                ) -> Iterator[tuple[Sequence[Sequence[int]], torch.Tensor]]:
         """The prompts in right-padded batches of at most ``max_batch_tokens`` tokens (a longer prompt alone), each
-        with its ``(rows, width, V)`` logits in the model's dtype; a batch's logits go when the caller takes the
-        next, so memory holds one batch's."""
+        with its ``(rows, width, V)`` logits in the model's dtype (``hidden``: its ``(rows, width, H)`` final hidden
+        states, after the final norm, what the head reads: the body's forward, as ``engines/head.py`` runs an
+        in-process teacher's); a batch's go when the caller takes the next, so memory holds one batch's."""
         start = 0
         while start < len(prompts):
             longest, stop = 0, start
@@ -160,7 +181,9 @@ class Scorer:
             # no_grad here, not as a decorator: torch's generator wrapper keeps the last item it passed on, which
             # would keep this batch's logits alive through the next batch's forward
             with self.lock, torch.no_grad():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+                logits = (self.model.base_model(**inputs).last_hidden_state if hidden
+                          else self.model(**inputs).logits)
             yield group, logits
             del logits
             start = stop
@@ -187,6 +210,41 @@ class Scorer:
             tails.append(top_tails.cpu())
             del logits  # before the next batch's forward: one batch's logits alive at a time
         return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(tails).numpy()
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[Sequence[int]], k: int, temperature: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every prompt's first ``L - 1`` positions, in order: ``k`` tokens drawn at ``temperature``
+        (``offline/capture.py:sample``): ids (N, k) int32, log-probabilities (N, k) float32, counts (N, k) uint8. The
+        draws are seeded by the request's tokens, so the same request gets the same answer (a retried one too)."""
+        from distill_kit.offline.capture import batch_generator, sample
+
+        tokens = torch.as_tensor([t for prompt in prompts for t in prompt])
+        generator = batch_generator(tokens, self.device)
+        ids, values, counts = [], [], []
+        for group, logits in self.batches(prompts):
+            rows = torch.cat([logits[row, :len(prompt) - 1] for row, prompt in enumerate(group)])
+            drawn_values, drawn_ids, drawn_counts = sample(rows, k, temperature, generator, self.chunk_tokens)
+            del rows
+            ids.append(drawn_ids.int().cpu())
+            values.append(drawn_values.float().cpu())
+            counts.append(drawn_counts.to(torch.uint8).cpu())
+            del logits
+        return torch.cat(ids).numpy(), torch.cat(values).numpy(), torch.cat(counts).numpy()
+
+    def hidden(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """For every prompt's first ``L - 1`` positions, in order: the final hidden states (N, H) in the model's
+        dtype, on the CPU, one batch at a time."""
+        rows = [states[row, :len(prompt) - 1].cpu() for group, states in self.batches(prompts, hidden=True)
+                for row, prompt in enumerate(group)]
+        return torch.cat(rows)
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head's weight (V, H) and bias (V,) or None, on the CPU in their dtype (an FP8 teacher's stays
+        bf16: ``engines/fp8.py``)."""
+        head = self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        return head.weight.detach().cpu(), None if bias is None else bias.detach().cpu()
 
     def vllm_positions(self, prompt: Sequence[int], k: int) -> tuple[list[Any], int]:
         """One prompt's ``prompt_logprobs`` as vLLM serialises them (``None``, then per token its top k by rank and
@@ -302,6 +360,46 @@ def build_app(scorer: Scorer, info: dict[str, Any], *, api_key: str | None = Non
         scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
         body = protocol.encode_topk(scored, k, *scorer.topk(scored, k))
         return Response(content=_broken(body, mode), media_type=protocol.BINARY_MEDIA_TYPE)
+
+    hidden_ok = "hidden" in info.get("payloads", ())
+    head_body: list[bytes] = []  # encoded once, on the first ask
+
+    @app.post("/v1/hidden", dependencies=[Depends(authorised)])
+    def hidden(request: HiddenRequest) -> Response:
+        if not hidden_ok:
+            raise HTTPException(status_code=400, detail="this server's model applies more than a linear head to its "
+                                                        "final hidden states (engines/head.py EXACT_HEADS): ask "
+                                                        "/v1/topk")
+        prompts = checked(request.prompts, 1)
+        too_large("bytes", asked(prompts) * int(info["hidden_size"]) * protocol.DTYPES[info["hidden_dtype"]][1],
+                  limits.answer_bytes, "--max-answer-bytes")
+        mode = faulty()
+        scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
+        body = protocol.encode_hidden(scored, scorer.hidden(scored))
+        return Response(content=_broken(body, mode), media_type=protocol.HIDDEN_MEDIA_TYPE)
+
+    @app.post("/v1/sample", dependencies=[Depends(authorised)])
+    def sampled(request: SampleRequest) -> Response:
+        prompts = checked(request.prompts, request.k)
+        if request.k > 255 or not (0 < request.temperature < float("inf")):
+            raise HTTPException(status_code=400, detail=f"k = {request.k} at temperature {request.temperature}: "
+                                                        "draws are 1 to 255 a position (counts are one byte), at a "
+                                                        "temperature > 0")
+        too_large("bytes", asked(prompts) * 9 * request.k, limits.answer_bytes, "--max-answer-bytes")
+        mode = faulty()
+        scored = _other_tokens(prompts, info) if mode == "other_tokens" else prompts
+        body = protocol.encode_sample(scored, request.k, request.temperature,
+                                      *scorer.sample(scored, request.k, request.temperature))
+        return Response(content=_broken(body, mode), media_type=protocol.BINARY_MEDIA_TYPE)
+
+    @app.get("/v1/head", dependencies=[Depends(authorised)])
+    def head() -> Response:
+        if not hidden_ok:
+            raise HTTPException(status_code=400, detail="this server gives no head: its model is not one whose "
+                                                        "logits are its head's output")
+        if not head_body:
+            head_body.append(protocol.encode_head(*scorer.head()))
+        return Response(content=head_body[0], media_type=protocol.HIDDEN_MEDIA_TYPE)
 
     @app.post("/v1/completions", dependencies=[Depends(authorised)])
     def completions(request: CompletionRequest) -> Response:

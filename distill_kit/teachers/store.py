@@ -20,7 +20,7 @@ from distill_kit.engines import models
 from distill_kit.errors import ConfigError
 from distill_kit.offline.captured_teacher import CapturedTeacher, teacher_config
 from distill_kit.offline.store import Manifest
-from distill_kit.teachers.base import HIDDEN_STATES, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
+from distill_kit.teachers.base import HIDDEN_STATES, SAMPLED, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 
 
 class StoreTeacher(Teacher):
@@ -39,12 +39,15 @@ class StoreTeacher(Teacher):
                 raise ConfigError(f"teachers[{spec.name}].model: {err}") from None
         config = teacher_config(store)
         text = config.get_text_config()
-        outputs = {TOP_K} | ({TOP_K_TAIL} if tail else set()) | ({HIDDEN_STATES} if store.hidden_layers else set())
+        sampled = store.targets == "sampled"
+        outputs = ({SAMPLED} if sampled else {TOP_K} | ({TOP_K_TAIL} if tail else set())) | (
+            {HIDDEN_STATES} if store.hidden_layers else set())
         return TeacherCard(kind=cls.kind, source=str(root), outputs=frozenset(outputs), vocab_size=store.vocab_size,
                            tokenizer_sha256=store.tokenizer_hash,
                            positions=models.positions(config), hidden_size=text.hidden_size,
                            num_layers=text.num_hidden_layers, eos_token_id=getattr(text, "eos_token_id", None),
-                           model_type=config.model_type, config=config)
+                           model_type=config.model_type, config=config,
+                           sample_temperature=store.temperature if sampled else None)
 
     def __init__(self, spec: TeacherSpec, card: TeacherCard, setup: TeacherSetup):
         super().__init__(spec, card, setup)

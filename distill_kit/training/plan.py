@@ -25,7 +25,7 @@ from distill_kit.engines import fp8, head, kernels, models, peft_student, quanti
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError, FrozenConfig, TrainedConfig, prepare, zero_stage
 from distill_kit.errors import ConfigError
 from distill_kit.students import from_teacher
-from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, TeacherCard, kinds, residency
+from distill_kit.teachers import ATTENTIONS, HEAD, HIDDEN_STATES, SAMPLED, TeacherCard, kinds, residency
 from distill_kit.teachers.combine import Combine, TeacherEnsembleLoss, check_weights
 from distill_kit.teachers.residency import PagingPlan
 from distill_kit.teachers.tokenizers import fingerprint_problems, tokenizer_problems
@@ -156,6 +156,7 @@ def make_plan(
         except ConfigError as err:
             problems.append(str(err))
     problems += _loss_needs(losses, teachers, cards)
+    problems += sampled_problems(losses, teachers, cards)
     rewards, found = rewarding.plan_rewards(training.rewards, losses, training.on_policy, [t.name for t in teachers],
                                             {name: card.dense for name, card in cards.items()}, combine,
                                             chat=data.kind == "chat")
@@ -416,6 +417,34 @@ def _loss_needs(losses: Mapping[str, DistillationLoss], teachers: Sequence[Teach
                     problems.append(f"students[{student}].loss reads the teacher's {output.replace('_', ' ')}, and "
                                     f"teacher {spec.name!r} (a {card.kind} teacher) returns none: use a logit loss, "
                                     f"or a teacher that returns them ({givers})")
+    return problems
+
+
+def sampled_problems(losses: Mapping[str, DistillationLoss], teachers: Sequence[TeacherSpec],
+                     cards: Mapping[str, TeacherCard]) -> list[str]:
+    """A sampled teacher (a sampled store: tokens drawn at one temperature) gives forward KL's unbiased estimate at
+    that temperature only: every logit term against it must be forward KL at the store's temperature."""
+    from losses.base import LogitLoss
+
+    problems = []
+    for spec in teachers:
+        card = cards[spec.name]
+        if SAMPLED not in card.outputs:
+            continue
+        for student, loss in losses.items():
+            own = loss.losses[spec.name] if isinstance(loss, TeacherEnsembleLoss) and spec.name in loss.losses else loss
+            for term in own.modules():
+                if not (isinstance(term, LogitLoss) and term.needs_teacher):
+                    continue
+                if not term.sampled_targets:
+                    problems.append(f"students[{student}].loss: {term.name} against teacher {spec.name!r}, a sampled "
+                                    "store: only forward KL has an unbiased estimate from sampled tokens; use "
+                                    "forward_kl, a top-k store (any divergence) or a served teacher's payload: hidden")
+                elif term.temperature != card.sample_temperature:
+                    problems.append(f"students[{student}].loss: temperature {term.temperature:g}, and teacher "
+                                    f"{spec.name!r}'s tokens were sampled at temperature {card.sample_temperature:g}: "
+                                    f"set the loss's temperature to {card.sample_temperature:g}, or capture the store "
+                                    f"again with --temperature {term.temperature:g}")
     return problems
 
 
