@@ -210,9 +210,10 @@ class Distiller(Trainer):
                 for batch in batches]
 
     def _log_probs_now(self, batch: Batch) -> torch.Tensor:
-        """``(B, T)`` the student's log-probability of each next label, at the weights that just sampled the batch
-        (eval mode, as the sampler ran; no gradients); 0 where no label counts."""
-        student = self.only_student
+        """``(B, T)`` the sampling student's log-probability of each next label (the first student: the one the
+        sampler runs), at the weights that just sampled the batch (eval mode, as the sampler ran; no gradients); 0
+        where no label counts."""
+        student = next(iter(self.students.values()))
         was_training = student.engine.training
         student.engine.eval()
         try:
