@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tiny_models import gpt2_config, save_pair
 from transformers import GPT2LMHeadModel
 
+from distill_kit import Distiller
 from distill_kit.engines import distributed
 
 
@@ -82,3 +83,24 @@ def plain_step(opt: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: fl
     torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], max_grad_norm)
     opt.step()
     return loss.item()
+
+
+class Recording(Distiller):
+    """A Distiller that keeps every micro-batch it trained on (with each one's longest row before padding, as
+    ``unpadded``) and counts the teacher's forwards: what the scenario workers check the engine's run against."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.made: list[dict] = []
+        self.teacher_forwards = 0
+
+    def teacher_forward(self, batch):
+        self.teacher_forwards += 1
+        return super().teacher_forward(batch)
+
+    def make_batches(self, batches):
+        made = super().make_batches(batches)
+        self.made += [{k: v.detach().cpu().clone() for k, v in batch.items() if torch.is_tensor(v)}
+                      | {"unpadded": int(batch["attention_mask"].sum(1).max()) if "attention_mask" in batch else None}
+                      for batch in made]
+        return made

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, plain_adamw, plain_kl, plain_step, saved_pair, write  # noqa: E402
+from rank_results import Recording, gathered, max_diff, plain_adamw, plain_kl, plain_step, saved_pair, write  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.engines import distributed  # noqa: E402
@@ -53,25 +53,6 @@ def rank_batches(rank: int, count: int, seed: int) -> list[dict]:
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
-
-class Recording(Distiller):
-    """A Distiller that keeps every micro-batch it trained on, and each one's longest row before padding."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.made: list[dict] = []
-        self.teacher_forwards = 0
-
-    def teacher_forward(self, batch):
-        self.teacher_forwards += 1
-        return super().teacher_forward(batch)
-
-    def make_batches(self, batches):
-        made = super().make_batches(batches)
-        self.made += [{k: v.detach().cpu().clone() for k, v in batch.items() if torch.is_tensor(v)}
-                      | {"unpadded": int(batch["attention_mask"].sum(1).max()) if "attention_mask" in batch else None}
-                      for batch in made]
-        return made
 
 
 def greedy(model: torch.nn.Module, prompt: torch.Tensor, eos: int, steps: int) -> list[int]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_results import gathered, max_diff, plain_adamw, write  # noqa: E402
+from rank_results import Recording, gathered, max_diff, plain_adamw, write  # noqa: E402
 
 from distill_kit import Distiller, TrainingConfig  # noqa: E402
 from distill_kit.config import RewardsConfig, RewardSpec  # noqa: E402
@@ -75,23 +75,6 @@ def prompt_batches(count: int, prompts: int, seed: int) -> list[dict]:
                     "labels": torch.full((len(rows), len(rows[0])), -100)})
     return out
 
-
-class Recording(Distiller):
-    """Keeps every micro-batch it trained on, and counts the teacher's forwards."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.made: list[dict] = []
-        self.teacher_forwards = 0
-
-    def teacher_forward(self, batch):
-        self.teacher_forwards += 1
-        return super().teacher_forward(batch)
-
-    def make_batches(self, batches):
-        made = super().make_batches(batches)
-        self.made += [{k: v.detach().cpu().clone() for k, v in b.items() if torch.is_tensor(v)} for b in made]
-        return made
 
 
 def distiller(out: Path, loss, training: TrainingConfig = TRAINING, cls=Recording) -> Distiller:
