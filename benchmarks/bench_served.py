@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -72,6 +73,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-step", action="store_true", help="the parse part only")
     parser.add_argument("--payloads", nargs="+", choices=("top_k", "hidden"), default=["top_k", "hidden"],
                         help="which served payloads the step part runs")
+    parser.add_argument("--prefetch-depths", type=int, nargs="+", default=[0, 1],
+                        help="each served payload runs once per depth: 0 no prefetch, d the next d micro-batches' "
+                             "requests sent before the student's step (at most 3)")
+    parser.add_argument("--top-k-depths", type=int, nargs="+", help="top-k's depths (default: --prefetch-depths)")
+    parser.add_argument("--no-dense", action="store_true",
+                        help="skip the in-process dense-logit row (the hidden payload's baseline is the head row)")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -134,17 +141,18 @@ def batches(count: int, batch: int, length: int, vocab: int, device: torch.devic
     return out
 
 
-def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None) -> float:
+def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None, depth: int = 1) -> float:
     """Seconds of the steps after ``warmup``; ``teacher_of(batch)`` gives the teacher's output, ``prefetch(batch)``
-    the early request for the next micro-batch (sent before the student's step on this one)."""
+    the early request for the next ``depth`` micro-batches (sent before the student's step on this one)."""
     start = time.perf_counter()
     for i, batch in enumerate(data):
         if i == warmup:
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             start = time.perf_counter()
         teacher_out = teacher_of(batch)
-        if prefetch is not None and i + 1 < len(data):
-            prefetch(data[i + 1])
+        if prefetch is not None:
+            for ahead in data[i + 1:i + 1 + depth]:
+                prefetch(ahead)
         out = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         value = loss(out, teacher_out, batch).total
         value.backward()
@@ -155,8 +163,48 @@ def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None)
     return time.perf_counter() - start
 
 
+def wait_healthy(port: int, server: subprocess.Popen, limit_s: float = 900) -> float:
+    """Seconds until the server at ``port`` answers ``/health`` (it loads while the models here are built)."""
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        if server.poll() is not None:
+            raise RuntimeError(f"the teacher server exited with {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the teacher server did not come up in {limit_s} s")
+
+
+def phases(timings: list[dict[str, float]]) -> dict[str, float]:
+    """The mean seconds of each phase of the timed requests (``Transport.timings``)."""
+    names = sorted({name for t in timings for name in t})
+    return {name: statistics.mean(t.get(name, 0.0) for t in timings) for name in names} | {"requests": len(timings)}
+
+
 def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device, pair = torch.device(args.device), pairs.PAIRS[args.pair]
+    began = time.perf_counter()
+    folder = tempfile.mkdtemp()
+    pair.teacher.save_pretrained(folder)
+    port = free_port()
+    server = subprocess.Popen(  # started first: it loads while the models here are built
+        [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
+         str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    try:
+        return _step_benchmark(args, device, pair, port, server, began)
+    finally:
+        server.kill()
+        server.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _step_benchmark(args, device, pair, port, server, began) -> dict[str, Any]:
     data = batches(args.warmup + args.steps, args.micro_batch, args.seq_len, pair.student.vocab_size, device)
     tokens = args.steps * args.micro_batch * args.seq_len
     student = pairs.build(pair.student, {}, args.dtype, device, "sdpa")
@@ -165,12 +213,18 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     teacher = pairs.build(pair.teacher, {}, args.dtype, device, "sdpa").eval().requires_grad_(False)
+    built = time.perf_counter() - began
+    results["setup_s"] = {"models_built": built, "server_up": built + wait_healthy(port, server)}
+    print(f"setup: {results['setup_s']}", flush=True)
+
     def in_process(batch):
         with torch.no_grad():
             return teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
-    wall = run_steps(student, optimizer, loss, data, args.warmup, in_process)
-    results["in_process"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+    if not args.no_dense:
+        wall = run_steps(student, optimizer, loss, data, args.warmup, in_process)
+        results["in_process"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+        print(f"in_process: {results['in_process']}", flush=True)
     if "hidden" in args.payloads:
         from distill_kit.engines.head import teacher_head_forward
 
@@ -181,50 +235,50 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         wall = run_steps(student, optimizer, loss, data, args.warmup, in_process_head)
         results["in_process_head"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+        print(f"in_process_head: {results['in_process_head']}", flush=True)
     teacher = None  # its memory back before the server takes the GPU
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    with tempfile.TemporaryDirectory() as folder:
-        pair.teacher.save_pretrained(folder)
-        port = free_port()
-        server = subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
-             str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
-            env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-        positions = len(data) * args.micro_batch * (args.seq_len - 1)
-        runs = [("top_k", k) for k in args.k if "top_k" in args.payloads] + (
-            [("hidden", None)] if "hidden" in args.payloads else [])
-        try:
-            for payload, k in runs:
-                for prefetch in (False, True):
-                    options = {"wait_s": 900, "rows_per_request": args.rows_per_request, "timeout_s": 600}
-                    options |= {"payload": "hidden"} if payload == "hidden" else {"k": k}
-                    spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}", options=options)
-                    served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
-                    received = served.transport.received  # the head's one-time fetch left out
-                    waited = [0.0]
+    positions = len(data) * args.micro_batch * (args.seq_len - 1)
+    runs = [("top_k", k, depth) for k in args.k if "top_k" in args.payloads
+            for depth in (args.top_k_depths or args.prefetch_depths)]
+    runs += [("hidden", None, depth) for depth in args.prefetch_depths if "hidden" in args.payloads]
+    for payload, k, depth in runs:
+        options = {"wait_s": 900, "rows_per_request": args.rows_per_request, "timeout_s": 600}
+        options |= {"payload": "hidden"} if payload == "hidden" else {"k": k}
+        spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}", options=options)
+        made = time.perf_counter()
+        served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
+        made = time.perf_counter() - made
+        received = served.transport.received  # the head's one-time fetch left out
+        waited, timed = [0.0], [0]
 
-                    def teacher_of(batch, served=served, waited=waited, data=data):
-                        if batch is data[args.warmup]:
-                            waited[0] = served.waited_s  # the timed steps' wait only
-                        return served.forward(batch)
+        def teacher_of(batch, served=served, waited=waited, timed=timed, data=data):
+            if batch is data[args.warmup]:
+                waited[0] = served.waited_s  # the timed steps' wait only
+                timed[0] = len(served.transport.timings)
+            return served.forward(batch)
 
-                    wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
-                                     served.prefetch if prefetch else None)
-                    name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
-                        "_prefetch" if prefetch else "")
-                    base = results["in_process_head" if payload == "hidden" else "in_process"]
-                    results[name] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps,
-                                     "waiting_share": (served.waited_s - waited[0]) / wall,
-                                     "vs_in_process": base["step_s"] / (wall / args.steps),
-                                     "bytes_per_token": (served.transport.received - received) / positions}
-                    served.close()
-            if "served_hidden_prefetch" in results:
-                results["hidden_vs_in_process"] = results["served_hidden_prefetch"]["vs_in_process"]
-        finally:
-            server.kill()
-            server.wait(timeout=60)
+        wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
+                         served.prefetch if depth else None, depth)
+        name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
+            "" if not depth else "_prefetch" if depth == 1 else f"_prefetch{depth}")
+        base = results["in_process_head" if payload == "hidden" else "in_process"]
+        results[name] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps, "prefetch_depth": depth,
+                         "waiting_share": (served.waited_s - waited[0]) / wall,
+                         "vs_in_process": base["step_s"] / (wall / args.steps),
+                         "bytes_per_token": (served.transport.received - received) / positions,
+                         "client_setup_s": made}
+        if payload == "hidden":
+            results[name]["phases_s"] = phases(list(served.transport.timings)[timed[0]:])
+        print(f"{name}: {results[name]}", flush=True)
+        served.close()
+    hidden = {name: row["vs_in_process"] for name, row in results.items() if name.startswith("served_hidden")}
+    if hidden:
+        best = max(hidden, key=hidden.get)
+        results["hidden_vs_in_process"] = {"row": best, "ratio": hidden[best]}
+    results["wall_s"] = time.perf_counter() - began
     return results
 
 
