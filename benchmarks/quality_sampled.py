@@ -19,9 +19,11 @@ Teachers, all the task's own teacher:
 * ``topk``: a top-k store at the sampled store's bytes (fp16 values, uint16 ids, fp16 tail; :data:`STORES`);
 * ``sampled``: a sampled store, K draws at T = 1, fp16 values, uint16 ids, uint8 counts (5 K bytes a token).
 
-Each cell reports the student's held-out perplexity (the issue's metric) and its mean KL from the teacher on the
-held-out tokens (``mean_kl``: the quantity distillation minimises, with less seed spread than perplexity); the
-table gives each teacher's mean and range over the seeds. Forward KL at T = 1 throughout.
+Each cell reports the student's held-out perplexity (the issue's metric) and its mean KL(teacher || student) on the
+held-out tokens (``mean_kl``, scored after the run with the teacher in process: the quantity distillation
+minimises); the table gives each teacher's mean and range over the seeds, and each seed's difference from the
+full-logit student of the same seed (same initial weights, same batches: a paired difference, free of the spread
+between seeds). Forward KL at T = 1 throughout.
 
     OMP_NUM_THREADS=1 python benchmarks/quality_sampled.py --tasks default arithmetic --jobs 5 --device cuda \\
         --out runs/q41                                  # the grid on one GPU (~6 min)
@@ -101,6 +103,35 @@ def data_files(task: str, out: Path, args: argparse.Namespace) -> tuple[Path, Pa
     return paths[0], paths[1]
 
 
+def score(run_dir: Path, task: str, overrides: list[str]) -> float:
+    """Mean KL(teacher || student) over the run's held-out tokens (its own held-out loader, the task's teacher in
+    process): the score a store-trained run's report cannot give (its teacher is the store, which holds no
+    held-out targets)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill_kit.run import cli, run_config
+    from distill_kit.training.evaluation import token_statistics
+    from distill_kit.training.plan import DataFacts
+
+    with tempfile.TemporaryDirectory() as scratch:
+        config = run_config.load(None, [*overrides, f"output_dir={scratch}"])
+        _, heldout = cli.build_loaders(config, cli.prepare_data(config), AutoTokenizer.from_pretrained(TEACHERS[task]),
+                                       DataFacts())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    student = AutoModelForCausalLM.from_pretrained(run_dir / "students" / "distilled").to(device).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(TEACHERS[task]).to(device).eval()
+    kls = []
+    with torch.no_grad():
+        for batch in heldout:
+            batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            kls.append(token_statistics(student(**inputs).logits, teacher(**inputs).logits, batch)["kl"])
+    return float(torch.cat(kls).double().mean())
+
+
 def complete(store: Path) -> bool:
     manifest = store / "manifest.json"
     return manifest.exists() and json.loads(manifest.read_text())["complete"]
@@ -117,7 +148,13 @@ def main() -> None:
     parser.add_argument("--max-blocks", type=int, default=512, help="the default task's training blocks (stored)")
     parser.add_argument("--arithmetic-train", type=int, default=20000, help="arithmetic training conversations")
     parser.add_argument("--only", nargs="+", help="run only these cells (e.g. default_full_s2), collect nothing")
+    parser.add_argument("--collect", action="store_true", help="run nothing: the table of the cells already done")
+    parser.add_argument("--score", nargs=3, metavar=("RUN_DIR", "TASK", "OVERRIDES_JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.score:  # a cell's held-out KL, in a process of its own (the cells run side by side)
+        run_dir, task, overrides = args.score
+        print(json.dumps({"mean_kl": score(Path(run_dir), task, json.loads(overrides))}))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     files = {task: data_files(task, args.out / task, args) for task in args.tasks}
@@ -133,7 +170,14 @@ def main() -> None:
                  "--dtype", "fp32", "--values-dtype", "fp16", *STORES[task][name], "--out", str(store)],
                 args.out / task / f"capture_{name}.log", args.device)
 
-    def cell(job: tuple[str, str, int]) -> dict:
+    def cell(job: tuple[str, str, int]) -> dict | None:
+        try:
+            return one_cell(job)
+        except (RuntimeError, OSError, KeyError, ValueError) as err:  # one failed cell: the others still count
+            print(f"cell {job}: {err}", flush=True)
+            return None
+
+    def one_cell(job: tuple[str, str, int]) -> dict:
         task, name, seed = job
         folder, (train, heldout) = args.out / task / f"{name}_s{seed}", files[task]
         teacher = ["--teacher", str(TEACHERS[task])] if name == "full" else [
@@ -144,36 +188,54 @@ def main() -> None:
                                              "data.max_heldout_blocks=500"]
         if task == "default":
             data.append(f"data.max_train_blocks={args.max_blocks}")
+        overrides = [*TRAINING[task], *data, f"training.seed={seed}", f"training.max_steps={args.steps}",
+                     f"cache_dir={args.out / task / 'cache'}"]
         seconds = None
         if not (folder / "report.json").exists():
-            seconds = run(["scripts/distill.py", *teacher, "--students", STUDENTS[task], *TRAINING[task], *data,
-                           f"training.seed={seed}", f"training.max_steps={args.steps}",
-                           f"cache_dir={args.out / task / 'cache'}", f"output_dir={folder}"],
-                          args.out / task / f"{name}_s{seed}.log", args.device)
+            if args.collect:
+                raise RuntimeError("not run")
+            seconds = run(["scripts/distill.py", *teacher, "--students", STUDENTS[task], *overrides,
+                           f"output_dir={folder}"], args.out / task / f"{name}_s{seed}.log", args.device)
+        scored = folder / "heldout_kl.json"
+        if not scored.exists():
+            if args.collect:
+                raise RuntimeError("not scored")
+            log = args.out / task / f"{name}_s{seed}_score.log"
+            run([str(Path(__file__).relative_to(ROOT)), "--out", str(args.out), "--score", str(folder), task,
+                 json.dumps(overrides)], log, args.device)
+            scored.write_text(log.read_text().strip().splitlines()[-1])
         row = json.loads((folder / "report.json").read_text())["summary"]["students"]["distilled"]
         return {"task": task, "teacher": name, "seed": seed, "perplexity": row["perplexity"],
-                "mean_kl": row.get("mean_kl"), "seconds": seconds}
+                "mean_kl": json.loads(scored.read_text())["mean_kl"], "seconds": seconds}
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(capture, [(task, name) for task in args.tasks for name in STORES[task]]))
-        jobs = [(task, name, seed) for task in args.tasks for seed in args.seeds for name in NAMES]
+        if not args.collect:
+            list(pool.map(capture, [(task, name) for task in args.tasks for name in STORES[task]]))
+        # seed by seed: a grid cut short by its time limit leaves whole seeds of both tasks
+        jobs = [(task, name, seed) for seed in args.seeds for task in args.tasks for name in NAMES]
         if args.only:
             jobs = [job for job in jobs if f"{job[0]}_{job[1]}_s{job[2]}" in args.only]
-        cells = list(pool.map(cell, jobs))
+        cells = [c for c in pool.map(cell, jobs) if c is not None]
+        print(f"{len(cells)} of {len(jobs)} cells done, {time.perf_counter() - began:.0f} s", flush=True)
     if args.only:
         print(json.dumps(cells))
         return
     table: dict = {}
     for task in args.tasks:
         table[task] = {}
-        for name in NAMES:
-            rows = [c for c in cells if c["task"] == task and c["teacher"] == name]
+        full = {c["seed"]: c for c in cells if c["task"] == task and c["teacher"] == "full"}
+        for name in NAMES:  # the seeds whose full-logit cell is there too
+            rows = [c for c in cells if c["task"] == task and c["teacher"] == name and c["seed"] in full]
+            if not rows:
+                continue
             table[task][name] = {metric: {"per_seed": [r[metric] for r in rows],
                                           "mean": statistics.mean(r[metric] for r in rows),
-                                          "min": min(r[metric] for r in rows), "max": max(r[metric] for r in rows)}
+                                          "min": min(r[metric] for r in rows), "max": max(r[metric] for r in rows),
+                                          # the same seed's full-logit student: same initial weights and batches
+                                          "minus_full_per_seed": [r[metric] - full[r["seed"]][metric] for r in rows]}
                                  for metric in ("perplexity", "mean_kl")}
         table[task]["store_stats"] = {name: json.loads((args.out / task / name / "manifest.json").read_text())["stats"]
-                                      for name in STORES[task]}
+                                      for name in STORES[task] if complete(args.out / task / name)}
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "table": table, "cells": cells,
               "wall_s": time.perf_counter() - began}
     (args.out / "quality_sampled.json").write_text(json.dumps(report, indent=1))
