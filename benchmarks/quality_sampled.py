@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each its own process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--steps", type=int, default=800, help="optimizer steps of every cell")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of every cell")
     parser.add_argument("--max-blocks", type=int, default=512, help="the default task's training blocks (stored)")
     parser.add_argument("--arithmetic-train", type=int, default=20000, help="arithmetic training conversations")
     parser.add_argument("--only", nargs="+", help="run only these cells (e.g. default_full_s2), collect nothing")
