@@ -503,6 +503,26 @@ def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it(
         protocol.decode_head(head, (7, 4), "bfloat16", sha)
 
 
+def test_a_rows_peak_read_from_its_bits_is_its_largest_magnitude_and_flags_every_non_finite_value():
+    """``hidden_peaks`` (the client's check, on whatever device the values are) against float64 ``abs().max()``: equal
+    for every dtype that travels, subnormals, zeros, signed values and each dtype's largest finite value included;
+    a NaN (either sign, any payload) or an infinity anywhere in a row flags that row and no other."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        values = (torch.randn(6, 33, generator=g) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+        values[0, 5], values[1, 0], values[2] = info.max, -info.max, 0.0
+        values[3, 7] = -info.smallest_normal / 4  # a subnormal: the row's largest magnitude
+        values[3, :7] = values[3, 8:] = 0.0
+        peak, bad = protocol.hidden_peaks(values)
+        assert torch.equal(peak.double(), values.double().abs().amax(-1)) and not bad.any(), dtype
+        for row, poison in ((1, float("nan")), (4, float("inf")), (5, -float("inf"))):
+            values[row, 3] = poison
+        values[2, 9] = -float("nan")
+        _, bad = protocol.hidden_peaks(values)
+        assert bad.tolist() == [False, True, True, False, True, True], dtype
+
+
 def test_a_sampled_answer_is_checked_whole_before_the_loss_sees_it():
     """payload: sampled (issue 41): counts that do not sum to k, an id outside the vocabulary or repeated, a
     log-probability above 0 or -inf in a used slot, another k or temperature, a cut-off body: each refused."""
