@@ -258,18 +258,20 @@ class Transport:
                 raise self.timed_out(path, deadline, what) from None
 
     async def fetch_into(self, path: str, body: Any, allocate: Callable[[int], torch.Tensor], *,
-                         what: str = "") -> Answer:
-        """A POST whose large answer is read straight into ``allocate(length)`` (a uint8 tensor) where the URL is
-        plain http:// (``served_wire.py``), else through :meth:`fetch`; the same deadline, cap and errors."""
+                         what: str = "", cap: int | None = None) -> Answer:
+        """A POST of ``body`` (a GET where it is None) whose large answer is read straight into ``allocate(length)``
+        (a uint8 tensor) where the URL is plain http:// (``served_wire.py``), else through :meth:`fetch`; the same
+        deadline, cap (``max_response_bytes`` unless ``cap``) and errors."""
         if self.wire is None:
-            status, content = await self.fetch("POST", path, body, what=what)
+            status, content = await self.fetch("GET" if body is None else "POST", path, body, what=what, cap=cap)
             return Answer(status, len(content), data=content)
         deadline = self.opts["timeout_s"] or None
+        sent = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         async with self.slots:
             try:
                 answer = await asyncio.wait_for(self.wire.post(
-                    path, json.dumps(body, separators=(",", ":")).encode(), int(self.opts["max_response_bytes"]),
-                    allocate, self.too_large), deadline)
+                    path, sent, int(self.opts["max_response_bytes"]) if cap is None else cap, allocate,
+                    self.too_large), deadline)
             except asyncio.TimeoutError:
                 raise self.timed_out(path, deadline, what) from None
         self.received += answer.length
@@ -570,11 +572,14 @@ class ServedTeacher(Teacher):
         else:
             shape = card.head_shape
             size = protocol.head_size(*shape, card.head_dtype, card.head_bias) + (1 << 20)  # + its header, at most
-            status, body = self.transport.submit(self.transport.fetch("GET", "/v1/head", cap=size,
-                                                                      what=" (the teacher's head)")).result()
+            answer = self.transport.submit(self.transport.fetch_into(
+                "/v1/head", None, lambda n: torch.empty(n, dtype=torch.uint8), cap=size,
+                what=" (the teacher's head)")).result()
             try:
-                if status != 200:
-                    raise TeacherResponseError(f"HTTP {status} to /v1/head: {body[:300].decode('utf-8', 'replace')}")
+                if answer.status != 200:
+                    raise TeacherResponseError(f"HTTP {answer.status} to /v1/head: "
+                                               f"{(answer.data or b'')[:300].decode('utf-8', 'replace')}")
+                body = answer.data if answer.data is not None else answer.buffer.numpy()
                 weight, bias = protocol.decode_head(body, shape, card.head_dtype, card.head_sha256)
             except TeacherResponseError as err:
                 raise TeacherResponseError(f"{self.named.model}: the teacher server at {self.url} sent a head that "

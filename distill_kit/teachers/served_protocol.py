@@ -650,7 +650,7 @@ def head_size(vocab: int, hidden: int, dtype: str, bias: bool) -> int:
     return (vocab * hidden + (vocab if bias else 0)) * DTYPES[dtype][1]
 
 
-def decode_head(body: bytes, shape: tuple[int, int], dtype: str,
+def decode_head(body: bytes | np.ndarray, shape: tuple[int, int], dtype: str,
                 sha256: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`encode_head`'s body back to ``(weight, bias)``, refused unless it is whole, of ``shape`` and ``dtype``,
     and its bytes hash to ``sha256`` (what the server's ``/info`` said), every value finite."""

@@ -73,11 +73,11 @@ class Wire:
             raise
         return sock
 
-    async def post(self, path: str, body: bytes, cap: int, allocate: Callable[[int], Any],
+    async def post(self, path: str, body: bytes | None, cap: int, allocate: Callable[[int], Any],
                    too_large: Callable[[str], Exception]) -> Answer:
-        """POST ``body`` (JSON) to ``path``. A 200 answer of a ``Content-Length`` >= :data:`SMALL` is read into
-        ``allocate(length)`` (a uint8 CPU tensor of at least ``length`` bytes); past ``cap`` bytes, ``too_large``'s
-        exception is raised before the body is read."""
+        """POST ``body`` (JSON) to ``path``, or GET it where ``body`` is None. A 200 answer of a ``Content-Length``
+        >= :data:`SMALL` is read into ``allocate(length)`` (a uint8 CPU tensor of at least ``length`` bytes); past
+        ``cap`` bytes, ``too_large``'s exception is raised before the body is read."""
         import h11
         import httpx
 
@@ -87,10 +87,14 @@ class Wire:
         keep = False
         try:
             conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(method="POST", target=path, headers=[
-                *self.headers, ("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            await loop.sock_sendall(sock, conn.send(request) + conn.send(h11.Data(data=body))
-                                    + conn.send(h11.EndOfMessage()))
+            if body is None:
+                request = h11.Request(method="GET", target=path, headers=self.headers)
+                await loop.sock_sendall(sock, conn.send(request) + conn.send(h11.EndOfMessage()))
+            else:
+                request = h11.Request(method="POST", target=path, headers=[
+                    *self.headers, ("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+                await loop.sock_sendall(sock, conn.send(request) + conn.send(h11.Data(data=body))
+                                        + conn.send(h11.EndOfMessage()))
             sent = time.perf_counter()
 
             async def event() -> Any:
