@@ -80,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="the hidden comparison (the head row, then the best served hidden row) this many times "
                              "in all; the median ratio is the figure")
-    parser.add_argument("--budget-s", type=float, default=1e9, help="no further round once this many seconds passed")
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="no further top-k row or round once this many seconds passed")
     parser.add_argument("--no-dense", action="store_true",
                         help="skip the in-process dense-logit row (the hidden payload's baseline is the head row)")
     parser.add_argument("--out", type=Path, required=True)
@@ -190,7 +191,8 @@ def phases(timings: list[dict[str, float]]) -> dict[str, float]:
     return {name: statistics.mean(t.get(name, 0.0) for t in timings) for name in names} | {"requests": len(timings)}
 
 
-def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+def step_benchmark(args: argparse.Namespace, save=lambda results: None) -> dict[str, Any]:
+    """The step part; ``save(results so far)`` after each served row (a run cut short keeps what it measured)."""
     device, pair = torch.device(args.device), pairs.PAIRS[args.pair]
     began = time.perf_counter()
     folder = tempfile.mkdtemp()
@@ -201,14 +203,14 @@ def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
          str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
         env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     try:
-        return _step_benchmark(args, device, pair, port, server, began)
+        return _step_benchmark(args, device, pair, port, server, began, save)
     finally:
         server.kill()
         server.wait(timeout=60)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _step_benchmark(args, device, pair, port, server, began) -> dict[str, Any]:
+def _step_benchmark(args, device, pair, port, server, began, save) -> dict[str, Any]:
     data = batches(args.warmup + args.steps, args.micro_batch, args.seq_len, pair.student.vocab_size, device)
     tokens = args.steps * args.micro_batch * args.seq_len
     positions = len(data) * args.micro_batch * (args.seq_len - 1)
@@ -269,15 +271,19 @@ def _step_benchmark(args, device, pair, port, server, began) -> dict[str, Any]:
         results["in_process"] = in_process_row("in_process", in_process)
     if "hidden" in args.payloads:
         results["in_process_head"] = in_process_row("in_process_head", in_process_head)
-    runs = [("top_k", k, depth) for k in args.k if "top_k" in args.payloads
-            for depth in (args.top_k_depths if args.top_k_depths is not None else args.prefetch_depths)]
-    runs += [("hidden", None, depth) for depth in args.prefetch_depths if "hidden" in args.payloads]
+    runs = [("hidden", None, depth) for depth in args.prefetch_depths if "hidden" in args.payloads]
+    runs += [("top_k", k, depth) for k in args.k if "top_k" in args.payloads
+             for depth in (args.top_k_depths if args.top_k_depths is not None else args.prefetch_depths)]
     for payload, k, depth in runs:
         name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
             "" if not depth else "_prefetch" if depth == 1 else f"_prefetch{depth}")
+        if payload == "top_k" and time.perf_counter() - began > args.budget_s:
+            print(f"{name}: past --budget-s {args.budget_s}, not run", flush=True)
+            continue
         results[name] = served_row(payload, k, depth,
                                    results["in_process_head" if payload == "hidden" else "in_process"])
         print(f"{name}: {results[name]}", flush=True)
+        save(results)
     hidden = {name: row["vs_in_process"] for name, row in results.items() if name.startswith("served_hidden")}
     if hidden:
         best = max(hidden, key=hidden.get)
@@ -291,6 +297,7 @@ def _step_benchmark(args, device, pair, port, server, began) -> dict[str, Any]:
             row = served_row("hidden", None, results[best]["prefetch_depth"], base)
             rounds.append({"in_process_head_step_s": base["step_s"], "served_step_s": row["step_s"],
                            "ratio": row["vs_in_process"], "phases_s": row["phases_s"]})
+            save(results | {"rounds_so_far": rounds})
             print(f"round {number + 1}: {rounds[-1]}", flush=True)
         results["hidden_vs_in_process"] = {"row": best, "rounds": rounds,
                                            "median": statistics.median(r["ratio"] for r in rounds)}
@@ -305,7 +312,10 @@ def main() -> None:
                               "parse": parse_cost(args.parse_positions, args.parse_k, args.repeats)}
     print(json.dumps(report["parse"], indent=1), flush=True)
     if not args.skip_step:
-        report["step"] = step_benchmark(args)
+        def save(step: dict[str, Any]) -> None:
+            (args.out / "served.json").write_text(json.dumps(report | {"step": step, "partial": True}, indent=1))
+
+        report["step"] = step_benchmark(args, save)
         print(json.dumps(report["step"], indent=1), flush=True)
     (args.out / "served.json").write_text(json.dumps(report, indent=1))
 
