@@ -305,6 +305,25 @@ def test_a_server_that_trickles_its_answer_is_cut_off_at_the_whole_requests_dead
     assert "raise teachers[t].options.timeout_s" in message
 
 
+@pytest.mark.parametrize("headers", [False, True], ids=["body trickled", "headers trickled"])
+def test_an_answer_read_into_a_buffer_is_cut_off_at_the_whole_requests_deadline_too(headers, monkeypatch):
+    """The fast path (``served_wire.py``, every answer taken by it here) under the same deadline as httpx's."""
+    from distill_kit.teachers import served_wire
+
+    monkeypatch.setattr(served_wire, "SMALL", 0)
+    with stub(lambda *_: Reply(body=b"x" * 64, trickle_s=0.2, trickle_headers=headers)) as server:
+        transport = served.Transport(server.url, served.DEFAULTS | {"timeout_s": 1},
+                                     served.Labels("teachers[t].model", "teachers[t].options"))
+        start = time.monotonic()
+        try:
+            with pytest.raises(TeacherTimeout, match=r"did not answer /v1/hidden within timeout_s=1 s"):
+                transport.submit(transport.fetch_into("/v1/hidden", {"prompts": [[1, 2]]},
+                                                      lambda n: torch.empty(n, dtype=torch.uint8))).result()
+            assert time.monotonic() - start < 2.5
+        finally:
+            transport.close()
+
+
 def test_the_key_over_plain_http_to_another_host_is_warned_of_once(caplog):
     named = served.Labels("teachers[t].model", "teachers[t].options")
     with caplog.at_level(logging.WARNING, logger=served.LOG.name):
