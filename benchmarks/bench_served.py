@@ -8,18 +8,24 @@ Two parts, in one launch:
 2. ``step``: the same student step (forward, forward-KL, backward, AdamW) fed by (a) the teacher in process on the
    same GPU (dense logits, the Distiller's default path), (b) the same teacher served by ``scripts/serve_teacher.py``
    in its own process on the same GPU (``--random-weights``: the shape, random weights, as ``pairs.py`` builds it)
-   at each ``--k``, without and with ``ServedTeacher.prefetch`` (the next micro-batch's request sent before the
-   student's step on this one). Reported: tokens/s, served / in-process, and the share of the step spent waiting on
-   the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
+   at each ``--k``, at each prefetch depth (``--prefetch-depths``: 0 none; d: the next d micro-batches' requests
+   sent before the student's step on this one). Reported: tokens/s, served / in-process, and the share of the step
+   spent waiting on the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
 3. The whole distribution at a distance (issue 41): (c) the in-process teacher with its head applied at the loss
    (``engines/head.py:teacher_head_forward``, what the Distiller runs for a logit loss), and (d) the served teacher's
-   ``payload: hidden`` (final hidden states over HTTP, the head applied at the loss), without and with prefetch;
-   ``hidden_vs_in_process`` is (d) with prefetch over (c) (the issue's target: >= 0.85). Every served row reports
-   ``bytes_per_token``: the answers' bytes read over the positions asked (the head's one-time fetch left out).
+   ``payload: hidden`` (final hidden states over HTTP, the head applied at the loss) at each depth;
+   ``hidden_vs_in_process`` names the best (d) row and its ratio to (c) (the issue's target: >= 0.85), then
+   ``--rounds`` - 1 more rounds of (c) and that row, and the median ratio. Every served row reports
+   ``bytes_per_token`` (the answers' bytes over the positions asked; the head's one-time fetch left out) and each
+   hidden row ``phases_s``: the mean seconds of each phase of its timed requests, the server's (``server_lock``,
+   ``server_forward``, ``server_copy``, ``server_encode``, from its timing header) and the client's (``sent``,
+   ``head``: until the answer's headers, ``body``: reading it, ``check``: to the device and checked there).
+   ``setup_s``: when the models were built and the server (started first, loading meanwhile) answered.
 
 GPU (one H200; the issue's acceptance: 7B-shaped teacher -> 0.5B student, 1,024 tokens)::
 
-    python benchmarks/bench_served.py --pair qwen2-7b-0.5b --seq-len 1024 --micro-batch 8 --k 20 64 --out runs/served
+    python benchmarks/bench_served.py --pair qwen2-7b-0.5b --seq-len 1024 --micro-batch 8 --k 20 64 \
+        --prefetch-depths 0 1 2 --top-k-depths 1 --rounds 3 --out runs/served
 
 CPU smoke (tiny shapes, seconds)::
 
