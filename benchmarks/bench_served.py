@@ -8,18 +8,24 @@ Two parts, in one launch:
 2. ``step``: the same student step (forward, forward-KL, backward, AdamW) fed by (a) the teacher in process on the
    same GPU (dense logits, the Distiller's default path), (b) the same teacher served by ``scripts/serve_teacher.py``
    in its own process on the same GPU (``--random-weights``: the shape, random weights, as ``pairs.py`` builds it)
-   at each ``--k``, without and with ``ServedTeacher.prefetch`` (the next micro-batch's request sent before the
-   student's step on this one). Reported: tokens/s, served / in-process, and the share of the step spent waiting on
-   the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
+   at each ``--k``, at each prefetch depth (``--prefetch-depths``: 0 none; d: the next d micro-batches' requests
+   sent before the student's step on this one). Reported: tokens/s, served / in-process, and the share of the step
+   spent waiting on the teacher (``ServedTeacher.waited_s`` over the timed steps' wall time).
 3. The whole distribution at a distance (issue 41): (c) the in-process teacher with its head applied at the loss
    (``engines/head.py:teacher_head_forward``, what the Distiller runs for a logit loss), and (d) the served teacher's
-   ``payload: hidden`` (final hidden states over HTTP, the head applied at the loss), without and with prefetch;
-   ``hidden_vs_in_process`` is (d) with prefetch over (c) (the issue's target: >= 0.85). Every served row reports
-   ``bytes_per_token``: the answers' bytes read over the positions asked (the head's one-time fetch left out).
+   ``payload: hidden`` (final hidden states over HTTP, the head applied at the loss) at each depth;
+   ``hidden_vs_in_process`` names the best (d) row and its ratio to (c) (the issue's target: >= 0.85), then
+   ``--rounds`` - 1 more rounds of (c) and that row, and the median ratio. Every served row reports
+   ``bytes_per_token`` (the answers' bytes over the positions asked; the head's one-time fetch left out) and each
+   hidden row ``phases_s``: the mean seconds of each phase of its timed requests, the server's (``server_lock``,
+   ``server_forward``, ``server_copy``, ``server_encode``, from its timing header) and the client's (``sent``,
+   ``head``: until the answer's headers, ``body``: reading it, ``check``: to the device and checked there).
+   ``setup_s``: when the models were built and the server (started first, loading meanwhile) answered.
 
 GPU (one H200; the issue's acceptance: 7B-shaped teacher -> 0.5B student, 1,024 tokens)::
 
-    python benchmarks/bench_served.py --pair qwen2-7b-0.5b --seq-len 1024 --micro-batch 8 --k 20 64 --out runs/served
+    python benchmarks/bench_served.py --pair qwen2-7b-0.5b --seq-len 1024 --micro-batch 8 --k 20 64 \
+        --prefetch-depths 0 1 2 --top-k-depths 1 --rounds 3 --out runs/served
 
 CPU smoke (tiny shapes, seconds)::
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -72,6 +79,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-step", action="store_true", help="the parse part only")
     parser.add_argument("--payloads", nargs="+", choices=("top_k", "hidden"), default=["top_k", "hidden"],
                         help="which served payloads the step part runs")
+    parser.add_argument("--prefetch-depths", type=int, nargs="+", default=[0, 1],
+                        help="each served payload runs once per depth: 0 no prefetch, d the next d micro-batches' "
+                             "requests sent before the student's step (at most 3)")
+    parser.add_argument("--top-k-depths", type=int, nargs="+", help="top-k's depths (default: --prefetch-depths)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the hidden comparison (the head row, then the best served hidden row) this many times "
+                             "in all; the median ratio is the figure")
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="no further top-k row or round once this many seconds passed")
+    parser.add_argument("--no-dense", action="store_true",
+                        help="skip the in-process dense-logit row (the hidden payload's baseline is the head row)")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -134,17 +152,18 @@ def batches(count: int, batch: int, length: int, vocab: int, device: torch.devic
     return out
 
 
-def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None) -> float:
+def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None, depth: int = 1) -> float:
     """Seconds of the steps after ``warmup``; ``teacher_of(batch)`` gives the teacher's output, ``prefetch(batch)``
-    the early request for the next micro-batch (sent before the student's step on this one)."""
+    the early request for the next ``depth`` micro-batches (sent before the student's step on this one)."""
     start = time.perf_counter()
     for i, batch in enumerate(data):
         if i == warmup:
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             start = time.perf_counter()
         teacher_out = teacher_of(batch)
-        if prefetch is not None and i + 1 < len(data):
-            prefetch(data[i + 1])
+        if prefetch is not None:
+            for ahead in data[i + 1:i + 1 + depth]:
+                prefetch(ahead)
         out = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         value = loss(out, teacher_out, batch).total
         value.backward()
@@ -155,76 +174,140 @@ def run_steps(student, optimizer, loss, data, warmup, teacher_of, prefetch=None)
     return time.perf_counter() - start
 
 
-def step_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+def wait_healthy(port: int, server: subprocess.Popen, limit_s: float = 900) -> float:
+    """Seconds until the server at ``port`` answers ``/health`` (it loads while the models here are built)."""
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        if server.poll() is not None:
+            raise RuntimeError(f"the teacher server exited with {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the teacher server did not come up in {limit_s} s")
+
+
+def phases(timings: list[dict[str, float]]) -> dict[str, float]:
+    """The mean seconds of each phase of the timed requests (``Transport.timings``)."""
+    names = sorted({name for t in timings for name in t})
+    return {name: statistics.mean(t.get(name, 0.0) for t in timings) for name in names} | {"requests": len(timings)}
+
+
+def step_benchmark(args: argparse.Namespace, save=lambda results: None) -> dict[str, Any]:
+    """The step part; ``save(results so far)`` after each served row (a run cut short keeps what it measured)."""
     device, pair = torch.device(args.device), pairs.PAIRS[args.pair]
+    began = time.perf_counter()
+    folder = tempfile.mkdtemp()
+    pair.teacher.save_pretrained(folder)
+    port = free_port()
+    server = subprocess.Popen(  # started first: it loads while the models here are built
+        [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
+         str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    try:
+        return _step_benchmark(args, device, pair, port, server, began, save)
+    finally:
+        server.kill()
+        server.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _step_benchmark(args, device, pair, port, server, began, save) -> dict[str, Any]:
     data = batches(args.warmup + args.steps, args.micro_batch, args.seq_len, pair.student.vocab_size, device)
     tokens = args.steps * args.micro_batch * args.seq_len
+    positions = len(data) * args.micro_batch * (args.seq_len - 1)
     student = pairs.build(pair.student, {}, args.dtype, device, "sdpa")
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
     loss = build_loss({"name": "forward_kl", "chunk_size": 1024})
     results: dict[str, Any] = {}
 
     teacher = pairs.build(pair.teacher, {}, args.dtype, device, "sdpa").eval().requires_grad_(False)
+    built = time.perf_counter() - began
+    results["setup_s"] = {"models_built": built, "server_up": built + wait_healthy(port, server)}
+    print(f"setup: {results['setup_s']}", flush=True)
+
     def in_process(batch):
         with torch.no_grad():
             return teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
-    wall = run_steps(student, optimizer, loss, data, args.warmup, in_process)
-    results["in_process"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
-    if "hidden" in args.payloads:
+    def in_process_head(batch):
         from distill_kit.engines.head import teacher_head_forward
 
-        def in_process_head(batch):
-            with torch.no_grad():
-                return teacher_head_forward(teacher, input_ids=batch["input_ids"],
-                                            attention_mask=batch["attention_mask"])
+        with torch.no_grad():
+            return teacher_head_forward(teacher, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
-        wall = run_steps(student, optimizer, loss, data, args.warmup, in_process_head)
-        results["in_process_head"] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
-    teacher = None  # its memory back before the server takes the GPU
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    def in_process_row(name: str, teacher_of) -> dict[str, Any]:
+        wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of)
+        row = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps}
+        print(f"{name}: {row}", flush=True)
+        return row
 
-    with tempfile.TemporaryDirectory() as folder:
-        pair.teacher.save_pretrained(folder)
-        port = free_port()
-        server = subprocess.Popen(
-            [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port",
-             str(port), "--device", args.device, "--dtype", args.dtype, "--max-k", str(max(args.k))],
-            env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-        positions = len(data) * args.micro_batch * (args.seq_len - 1)
-        runs = [("top_k", k) for k in args.k if "top_k" in args.payloads] + (
-            [("hidden", None)] if "hidden" in args.payloads else [])
-        try:
-            for payload, k in runs:
-                for prefetch in (False, True):
-                    options = {"wait_s": 900, "rows_per_request": args.rows_per_request, "timeout_s": 600}
-                    options |= {"payload": "hidden"} if payload == "hidden" else {"k": k}
-                    spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}", options=options)
-                    served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
-                    received = served.transport.received  # the head's one-time fetch left out
-                    waited = [0.0]
+    def served_row(payload: str, k: int | None, depth: int, base: dict[str, Any]) -> dict[str, Any]:
+        options = {"wait_s": 900, "rows_per_request": args.rows_per_request, "timeout_s": 600}
+        options |= {"payload": "hidden"} if payload == "hidden" else {"k": k}
+        spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}", options=options)
+        made = time.perf_counter()
+        served = ServedTeacher(spec, describe(spec), TeacherSetup({}, None, device))
+        made = time.perf_counter() - made
+        received = served.transport.received  # the head's one-time fetch left out
+        waited, timed = [0.0], [0]
 
-                    def teacher_of(batch, served=served, waited=waited, data=data):
-                        if batch is data[args.warmup]:
-                            waited[0] = served.waited_s  # the timed steps' wait only
-                        return served.forward(batch)
+        def teacher_of(batch):
+            if batch is data[args.warmup]:
+                waited[0] = served.waited_s  # the timed steps' wait only
+                timed[0] = len(served.transport.timings)
+            return served.forward(batch)
 
-                    wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
-                                     served.prefetch if prefetch else None)
-                    name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
-                        "_prefetch" if prefetch else "")
-                    base = results["in_process_head" if payload == "hidden" else "in_process"]
-                    results[name] = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps,
-                                     "waiting_share": (served.waited_s - waited[0]) / wall,
-                                     "vs_in_process": base["step_s"] / (wall / args.steps),
-                                     "bytes_per_token": (served.transport.received - received) / positions}
-                    served.close()
-            if "served_hidden_prefetch" in results:
-                results["hidden_vs_in_process"] = results["served_hidden_prefetch"]["vs_in_process"]
-        finally:
-            server.kill()
-            server.wait(timeout=60)
+        wall = run_steps(student, optimizer, loss, data, args.warmup, teacher_of,
+                         served.prefetch if depth else None, depth)
+        row = {"tokens_per_s": tokens / wall, "step_s": wall / args.steps, "prefetch_depth": depth,
+               "waiting_share": (served.waited_s - waited[0]) / wall,
+               "vs_in_process": base["step_s"] / (wall / args.steps),
+               "bytes_per_token": (served.transport.received - received) / positions, "client_setup_s": made}
+        if payload == "hidden":
+            row["phases_s"] = phases(list(served.transport.timings)[timed[0]:])
+        served.close()
+        return row
+
+    if not args.no_dense:
+        results["in_process"] = in_process_row("in_process", in_process)
+    if "hidden" in args.payloads:
+        results["in_process_head"] = in_process_row("in_process_head", in_process_head)
+    runs = [("hidden", None, depth) for depth in args.prefetch_depths if "hidden" in args.payloads]
+    runs += [("top_k", k, depth) for k in args.k if "top_k" in args.payloads
+             for depth in (args.top_k_depths if args.top_k_depths is not None else args.prefetch_depths)]
+    for payload, k, depth in runs:
+        name = (f"served_k{k}" if payload == "top_k" else "served_hidden") + (
+            "" if not depth else "_prefetch" if depth == 1 else f"_prefetch{depth}")
+        if payload == "top_k" and time.perf_counter() - began > args.budget_s:
+            print(f"{name}: past --budget-s {args.budget_s}, not run", flush=True)
+            continue
+        results[name] = served_row(payload, k, depth,
+                                   results["in_process_head" if payload == "hidden" else "in_process"])
+        print(f"{name}: {results[name]}", flush=True)
+        save(results)
+    hidden = {name: row["vs_in_process"] for name, row in results.items() if name.startswith("served_hidden")}
+    if hidden:
+        best = max(hidden, key=hidden.get)
+        rounds = [{"in_process_head_step_s": results["in_process_head"]["step_s"],
+                   "served_step_s": results[best]["step_s"], "ratio": hidden[best]}]
+        for number in range(1, args.rounds):  # the comparison again: the head row, then the best served row
+            if time.perf_counter() - began > args.budget_s:
+                print(f"round {number + 1}: past --budget-s {args.budget_s}, not run", flush=True)
+                break
+            base = in_process_row(f"round {number + 1} in_process_head", in_process_head)
+            row = served_row("hidden", None, results[best]["prefetch_depth"], base)
+            rounds.append({"in_process_head_step_s": base["step_s"], "served_step_s": row["step_s"],
+                           "ratio": row["vs_in_process"], "phases_s": row["phases_s"]})
+            save(results | {"rounds_so_far": rounds})
+            print(f"round {number + 1}: {rounds[-1]}", flush=True)
+        results["hidden_vs_in_process"] = {"row": best, "rounds": rounds,
+                                           "median": statistics.median(r["ratio"] for r in rounds)}
+    results["wall_s"] = time.perf_counter() - began
     return results
 
 
@@ -235,7 +318,10 @@ def main() -> None:
                               "parse": parse_cost(args.parse_positions, args.parse_k, args.repeats)}
     print(json.dumps(report["parse"], indent=1), flush=True)
     if not args.skip_step:
-        report["step"] = step_benchmark(args)
+        def save(step: dict[str, Any]) -> None:
+            (args.out / "served.json").write_text(json.dumps(report | {"step": step, "partial": True}, indent=1))
+
+        report["step"] = step_benchmark(args, save)
         print(json.dumps(report["step"], indent=1), flush=True)
     (args.out / "served.json").write_text(json.dumps(report, indent=1))
 

@@ -305,6 +305,25 @@ def test_a_server_that_trickles_its_answer_is_cut_off_at_the_whole_requests_dead
     assert "raise teachers[t].options.timeout_s" in message
 
 
+@pytest.mark.parametrize("headers", [False, True], ids=["body trickled", "headers trickled"])
+def test_an_answer_read_into_a_buffer_is_cut_off_at_the_whole_requests_deadline_too(headers, monkeypatch):
+    """The fast path (``served_wire.py``, every answer taken by it here) under the same deadline as httpx's."""
+    from distill_kit.teachers import served_wire
+
+    monkeypatch.setattr(served_wire, "SMALL", 0)
+    with stub(lambda *_: Reply(body=b"x" * 64, trickle_s=0.2, trickle_headers=headers)) as server:
+        transport = served.Transport(server.url, served.DEFAULTS | {"timeout_s": 1},
+                                     served.Labels("teachers[t].model", "teachers[t].options"))
+        start = time.monotonic()
+        try:
+            with pytest.raises(TeacherTimeout, match=r"did not answer /v1/hidden within timeout_s=1 s"):
+                transport.submit(transport.fetch_into("/v1/hidden", {"prompts": [[1, 2]]},
+                                                      lambda n: torch.empty(n, dtype=torch.uint8))).result()
+            assert time.monotonic() - start < 2.5
+        finally:
+            transport.close()
+
+
 def test_the_key_over_plain_http_to_another_host_is_warned_of_once(caplog):
     named = served.Labels("teachers[t].model", "teachers[t].options")
     with caplog.at_level(logging.WARNING, logger=served.LOG.name):
@@ -501,6 +520,26 @@ def test_a_hidden_state_or_head_answer_is_checked_whole_before_the_loss_sees_it(
         protocol.decode_head(bytes(flipped), (6, 4), "bfloat16", sha)
     with pytest.raises(TeacherResponseError, match=r"says \{\"shape\": \[6, 4\].*said shape \[7, 4\]"):
         protocol.decode_head(head, (7, 4), "bfloat16", sha)
+
+
+def test_a_rows_peak_read_from_its_bits_is_its_largest_magnitude_and_flags_every_non_finite_value():
+    """``hidden_peaks`` (the client's check, on whatever device the values are) against float64 ``abs().max()``: equal
+    for every dtype that travels, subnormals, zeros, signed values and each dtype's largest finite value included;
+    a NaN (either sign, any payload) or an infinity anywhere in a row flags that row and no other."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        values = (torch.randn(6, 33, generator=g) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+        values[0, 5], values[1, 0], values[2] = info.max, -info.max, 0.0
+        values[3, 7] = -info.smallest_normal / 4  # a subnormal: the row's largest magnitude
+        values[3, :7] = values[3, 8:] = 0.0
+        peak, bad = protocol.hidden_peaks(values)
+        assert torch.equal(peak.double(), values.double().abs().amax(-1)) and not bad.any(), dtype
+        for row, poison in ((1, float("nan")), (4, float("inf")), (5, -float("inf"))):
+            values[row, 3] = poison
+        values[2, 9] = -float("nan")
+        _, bad = protocol.hidden_peaks(values)
+        assert bad.tolist() == [False, True, True, False, True, True], dtype
 
 
 def test_a_sampled_answer_is_checked_whole_before_the_loss_sees_it():

@@ -474,6 +474,33 @@ def test_hidden_states_are_prefetched_as_top_k_are(server):
     served.close()
 
 
+def test_a_large_hidden_state_answer_read_into_a_buffer_is_the_same_and_checked_the_same(server, monkeypatch):
+    """The fast path (``served_wire.py``: the body read by the socket straight into one buffer, kept-alive
+    connections), taken here by every answer (``SMALL`` 0; a real one is ~59 MB): the same bits as through h11, the
+    server's phase times recorded, and a cut-off, foreign or other-token answer refused with the same message."""
+    from distill_kit.teachers import served_wire
+
+    batch = batches(1, seed=7)[0]
+    slow = hidden_teacher(server.url, rows_per_request=2)
+    want = slow.forward(batch).hidden
+    monkeypatch.setattr(served_wire, "SMALL", 0)
+    fast = hidden_teacher(server.url, rows_per_request=2)
+    try:
+        assert torch.equal(fast.forward(batch).hidden, want) and torch.equal(fast.forward(batch).hidden, want)
+        timings = list(fast.transport.timings)
+        assert len(timings) == 4 and all(t["server_forward"] >= 0 and t["body"] >= 0 for t in timings)
+        assert len(fast.transport.wire.idle) >= 1  # kept alive and reused
+        for mode, match in (("truncate", "cut off or padded"), ("other_tokens", "other tokens"),
+                            ("garbage", "not a distill_kit body")):
+            server.fault(mode)
+            with pytest.raises(protocol.TeacherResponseError, match=match):
+                fast.forward(batch)
+    finally:
+        server.fault("none")
+        slow.close()
+        fast.close()
+
+
 def test_what_payload_hidden_cannot_have_is_refused_before_anything_is_built(server, reference, tmp_path):
     other = tmp_path / "other_teacher"
     changed = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32)

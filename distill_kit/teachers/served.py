@@ -53,6 +53,7 @@ inside the vocabulary, log-probabilities finite-or--inf and <= 0, masses <= 1); 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import hashlib
@@ -64,7 +65,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ from distill_kit.teachers import served_protocol as protocol
 from distill_kit.teachers.base import HEAD, SAMPLED, TOP_K, TOP_K_TAIL, Teacher, TeacherCard, TeacherSetup
 from distill_kit.teachers.kinds import is_url
 from distill_kit.teachers.served_protocol import PromptTargets, TeacherResponseError, TeacherTimeout, TeacherUnavailable
+from distill_kit.teachers.served_wire import Answer, Wire
 from distill_kit.teachers.tokenizers import vocabulary_sha256
 from losses.fused import HeadOutput
 from losses.sparse import SampledTeacherLogits, SparseTeacherLogits
@@ -232,6 +234,11 @@ class Transport:
         self.slots = asyncio.Semaphore(opts["max_in_flight"])
         self.received = 0
         """Bytes of answers read whole (the benchmarks' bytes on the wire)."""
+        self.wire = Wire(url, {"Authorization": f"Bearer {key}"} if key else {}) if url.startswith("http://") else None
+        """Large binary answers' fast path (``served_wire.py``): plain http:// only; https:// goes through httpx."""
+        self.timings: collections.deque[dict[str, float]] = collections.deque(maxlen=4096)
+        """Per ``/v1/hidden`` answer, the seconds of each phase, the server's (``server_*``, from its timing header)
+        and this client's (``sent``, ``head``, ``body``, ``check``): what the benchmarks break a request into."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="served-teacher", daemon=True)
         self.thread.start()
@@ -248,12 +255,34 @@ class Transport:
             try:
                 return await asyncio.wait_for(self._fetch(method, path, body, cap), deadline)
             except asyncio.TimeoutError:
-                raise TeacherTimeout(
-                    f"{self.named.model}: the teacher server at {self.url} did not answer {path} within timeout_s="
-                    f"{deadline:g} s{what}. A loaded or slow server (or one that trickles its answer): raise "
-                    f"{self.named.option('timeout_s')}, lower {self.named.option('rows_per_request')}, or give it "
-                    f"more GPUs; {self.named.stop}: {self.named.resume}"
-                ) from None
+                raise self.timed_out(path, deadline, what) from None
+
+    async def fetch_into(self, path: str, body: Any, allocate: Callable[[int], torch.Tensor], *,
+                         what: str = "", cap: int | None = None) -> Answer:
+        """A POST of ``body`` (a GET where it is None) whose large answer is read straight into ``allocate(length)``
+        (a uint8 tensor) where the URL is plain http:// (``served_wire.py``), else through :meth:`fetch`; the same
+        deadline, cap (``max_response_bytes`` unless ``cap``) and errors."""
+        if self.wire is None:
+            status, content = await self.fetch("GET" if body is None else "POST", path, body, what=what, cap=cap)
+            return Answer(status, len(content), data=content)
+        deadline = self.opts["timeout_s"] or None
+        sent = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        async with self.slots:
+            try:
+                answer = await asyncio.wait_for(self.wire.post(
+                    path, sent, int(self.opts["max_response_bytes"]) if cap is None else cap, allocate,
+                    self.too_large), deadline)
+            except asyncio.TimeoutError:
+                raise self.timed_out(path, deadline, what) from None
+        self.received += answer.length
+        return answer
+
+    def timed_out(self, path: str, deadline: float | None, what: str) -> TeacherTimeout:
+        return TeacherTimeout(
+            f"{self.named.model}: the teacher server at {self.url} did not answer {path} within timeout_s="
+            f"{deadline:g} s{what}. A loaded or slow server (or one that trickles its answer): raise "
+            f"{self.named.option('timeout_s')}, lower {self.named.option('rows_per_request')}, or give it "
+            f"more GPUs; {self.named.stop}: {self.named.resume}")
 
     async def _fetch(self, method: str, path: str, body: Any, cap: int | None = None) -> tuple[int, bytes]:
         """``cap``: this request's largest answer (the head's exact size); else ``max_response_bytes``."""
@@ -287,6 +316,8 @@ class Transport:
             for task in others:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
+            if self.wire is not None:
+                self.wire.close()
             await self.client.aclose()
 
         with contextlib.suppress(Exception):
@@ -520,6 +551,8 @@ class ServedTeacher(Teacher):
         self.lock = threading.Lock()
         self.waited_s = 0.0
         """Seconds ``forward`` spent waiting on the server (what prefetch did not hide), for benchmarks."""
+        self.side: torch.cuda.Stream | None = None
+        """``payload: hidden`` on a GPU: the stream its answers are copied and checked on."""
 
     def _head(self, card: TeacherCard) -> GatheredHead:
         """The teacher's head on the training device: the folder's (read by ``describe``) or the server's, fetched
@@ -539,11 +572,14 @@ class ServedTeacher(Teacher):
         else:
             shape = card.head_shape
             size = protocol.head_size(*shape, card.head_dtype, card.head_bias) + (1 << 20)  # + its header, at most
-            status, body = self.transport.submit(self.transport.fetch("GET", "/v1/head", cap=size,
-                                                                      what=" (the teacher's head)")).result()
+            answer = self.transport.submit(self.transport.fetch_into(
+                "/v1/head", None, lambda n: torch.empty(n, dtype=torch.uint8), cap=size,
+                what=" (the teacher's head)")).result()
             try:
-                if status != 200:
-                    raise TeacherResponseError(f"HTTP {status} to /v1/head: {body[:300].decode('utf-8', 'replace')}")
+                if answer.status != 200:
+                    raise TeacherResponseError(f"HTTP {answer.status} to /v1/head: "
+                                               f"{(answer.data or b'')[:300].decode('utf-8', 'replace')}")
+                body = answer.data if answer.data is not None else answer.buffer.numpy()
                 weight, bias = protocol.decode_head(body, shape, card.head_dtype, card.head_sha256)
             except TeacherResponseError as err:
                 raise TeacherResponseError(f"{self.named.model}: the teacher server at {self.url} sent a head that "
@@ -578,8 +614,7 @@ class ServedTeacher(Teacher):
         answers = [future.result() for future in futures]
         self.waited_s += time.perf_counter() - start
         if self.payload == "hidden":
-            return HeadOutput(hidden=self._assemble_hidden(inputs, segments, [t for part in answers for t in part]),
-                              head=self.head)
+            return HeadOutput(hidden=self._assemble_hidden(inputs, segments, answers), head=self.head)
         if self.payload == "sampled":
             return ServedOutput(self._assemble_sampled(inputs, segments, [t for part in answers for t in part]))
         return ServedOutput(self._assemble(inputs, segments, [t for part in answers for t in part]))
@@ -609,15 +644,23 @@ class ServedTeacher(Teacher):
                                    None if tail is None else torch.from_numpy(tail).to(**to))
 
     def _assemble_hidden(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
-                         states: Sequence[torch.Tensor]) -> torch.Tensor:
-        """(B, T, H) hidden states in the head's dtype: each segment's rows at its positions but its last; zeros
+                         answers: Sequence[tuple[torch.Tensor, Any]]) -> torch.Tensor:
+        """(B, T, H) hidden states in the head's dtype on the training device: each answer's rows (already there,
+        checked) placed at their segments' positions but the last, by one ``index_copy_`` an answer; zeros
         elsewhere (positions no loss counts)."""
         batch, length = inputs["input_ids"].shape
         weight = self.head.weight
-        out = torch.zeros((batch, length, weight.shape[1]), dtype=weight.dtype)
-        for (row, _, positions), rows in zip(segments, states, strict=True):
-            out[row, torch.as_tensor(positions[:-1])] = rows
-        return out.to(self.device, non_blocking=True)
+        out = torch.zeros((batch * length, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        where = np.concatenate([row * length + positions[:-1] for row, _, positions in segments] or [np.zeros(0)])
+        where = torch.from_numpy(where.astype(np.int64)).to(weight.device, non_blocking=True)
+        start = 0
+        for rows, done in answers:
+            if done is not None:  # the copy and the check ran on the side stream: order this stream after them
+                torch.cuda.current_stream(weight.device).wait_event(done)
+                rows.record_stream(torch.cuda.current_stream(weight.device))
+            out.index_copy_(0, where[start:start + rows.shape[0]], rows)
+            start += rows.shape[0]
+        return out.view(batch, length, -1)
 
     def _assemble_sampled(self, inputs: Mapping[str, Any], segments: Sequence[tuple[int, np.ndarray, np.ndarray]],
                           drawn: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> SampledTeacherLogits:
@@ -652,7 +695,11 @@ class ServedTeacher(Teacher):
         first_failure, delay = None, 0.5
         while True:
             try:
-                status, content = await self.transport.fetch("POST", path, body, what=what)
+                if self.payload == "hidden":
+                    answer = await self.transport.fetch_into(path, body, self._allocate, what=what)
+                    status, content = answer.status, answer.data
+                else:
+                    status, content = await self.transport.fetch("POST", path, body, what=what)
                 if status in (502, 503, 504):
                     raise httpx.TransportError(f"HTTP {status}")
                 if status == 401:
@@ -663,7 +710,7 @@ class ServedTeacher(Teacher):
                     raise TeacherResponseError(f"HTTP {status} to {path}{what}: "
                                                f"{content[:300].decode('utf-8', 'replace')}")
                 if self.payload == "hidden":
-                    return self._hidden(content, prompts)
+                    return await self._hidden(answer, prompts)
                 if self.payload == "sampled":
                     return protocol.decode_sample(content, prompts, self.k, float(self.opts["temperature"]),
                                                   self.vocab_size)
@@ -688,13 +735,57 @@ class ServedTeacher(Teacher):
                 await asyncio.sleep(min(delay, max(0.0, first_failure + self.opts["retries_s"] - now)))
                 delay = min(delay * 2, 10.0)
 
-    def _hidden(self, content: bytes, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """A ``/v1/hidden`` answer checked whole (``served_protocol.decode_hidden``: framing, tokens, width, dtype,
-        finite; then a scale the head turns into finite logits), split per prompt."""
+    def _allocate(self, size: int) -> torch.Tensor:
+        """Where a ``/v1/hidden`` answer is read to: pinned host memory for a GPU (its copy there is one DMA; torch's
+        caching host allocator reuses the blocks), else plain memory."""
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    async def _hidden(self, answer: Answer, prompts: list[list[int]]) -> tuple[torch.Tensor, Any]:
+        """A ``/v1/hidden`` answer checked whole (``served_protocol.hidden_layout``: framing, tokens, width, dtype,
+        length), copied to the training device (one non-blocking copy from pinned memory, on a side stream), its
+        values checked there (``served_protocol.hidden_problems``: finite, a scale the head turns into finite
+        logits; one flag read back) before it is returned: ``(rows (N, H) on the device, the side stream's event or
+        None)``."""
+        began = time.perf_counter()
         weight = self.head.weight
-        states = protocol.decode_hidden(content, prompts, int(weight.shape[1]), protocol.dtype_name(weight.dtype),
-                                        self.head_bound)
-        return list(states.split([max(len(p) - 1, 0) for p in prompts]))
+        hidden_size, dtype = int(weight.shape[1]), protocol.dtype_name(weight.dtype)
+        if answer.data is not None:
+            body, length = answer.data, len(answer.data)
+        else:
+            body, length = answer.buffer.numpy(), answer.length
+        start, n = protocol.hidden_layout(memoryview(body), length, prompts, hidden_size, dtype)
+        size = n * hidden_size * weight.element_size()
+        if answer.data is not None:
+            source = torch.frombuffer(bytearray(answer.data[start:start + size]), dtype=torch.uint8)
+        else:
+            source = answer.buffer[start:start + size]
+        if self.device.type != "cuda":
+            rows = torch.empty((n, hidden_size), dtype=weight.dtype)
+            rows.view(-1).view(torch.uint8).copy_(source)
+            protocol.check_hidden(rows, self.head_bound)
+            done = None
+        else:
+            if self.side is None:
+                self.side = torch.cuda.Stream(self.device)
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            with torch.cuda.stream(self.side):
+                rows = torch.empty((n, hidden_size), dtype=weight.dtype, device=self.device)
+                rows.view(-1).view(torch.uint8).copy_(source, non_blocking=True)
+                problems = protocol.hidden_problems(rows, self.head_bound)
+                flag.copy_(problems.any(), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.side)
+            while not done.query():  # the event loop stays free for the other answers' reads meanwhile
+                await asyncio.sleep(0.0005)
+            if bool(flag):
+                with torch.cuda.stream(self.side):
+                    protocol.check_hidden(rows, self.head_bound, problems)
+        fields = answer.headers or {}
+        self.transport.timings.append(
+            answer.timings | {f"server_{name}": seconds
+                              for name, seconds in protocol.parse_timing(fields.get(protocol.TIMING_HEADER)).items()}
+            | {"check": time.perf_counter() - began, "bytes": float(length)})
+        return rows, done
 
     # ------------------------------------------------------------------------------------------ identity
 
