@@ -90,9 +90,10 @@ class FeatureDrafter(nn.Module):
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         layer = type(base.layers[0])(config, layer_idx=0)
         attention = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):  # EAGLE-3: attention reads [embedding, feature], 2H wide
-            old = getattr(attention, name)
-            setattr(attention, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        # EAGLE-3: attention reads [embedding, feature], 2H wide, with no q/k/v bias whatever the teacher has (a
+        # Qwen2 teacher's layer has them): the layout vLLM's and SGLang's EAGLE-3 Llama drafter load as it is.
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attention, name, nn.Linear(2 * hidden, getattr(attention, name).out_features, bias=False))
         norm = type(layer.input_layernorm)
         layer.hidden_norm = norm(hidden, eps=config.rms_norm_eps)
         self.midlayer = layer
@@ -204,12 +205,19 @@ class FeatureDrafter(nn.Module):
                 "max_position_embeddings": c.max_position_embeddings,
                 "rope_theta": (getattr(c, "rope_parameters", None) or {}).get("rope_theta",
                                                                               getattr(c, "rope_theta", 10000.0)),
-                "attention_bias": self.midlayer.self_attn.q_proj.bias is not None,
+                "attention_bias": False, "rope_scaling": self._rope_scaling(),
                 "tie_word_embeddings": False, "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
                 "eagle_config": {"use_aux_hidden_state": True,
                                  "eagle_aux_hidden_state_layer_ids": list(self.layers)},
                 "distill_kit": {"kind": "feature_drafter", "teacher_architecture": c.architectures,
                                 "teacher_model_type": c.model_type}}
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        """The teacher's RoPE scaling (Llama 3.1's ``llama3``, YaRN, ...) in the older ``rope_scaling`` key that
+        the servers' Llama configs read; None for plain RoPE."""
+        rope = dict(getattr(self.config, "rope_parameters", None) or getattr(self.config, "rope_scaling", None) or {})
+        rope.pop("rope_theta", None)
+        return rope if rope.get("rope_type", "default") != "default" else None
 
     def save_pretrained(self, directory: str | Path, tokenizer: Any | None = None) -> Path:
         """A folder in EAGLE-3's layout: ``config.json`` and ``model.safetensors`` with ``fc.weight``,
