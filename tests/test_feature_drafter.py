@@ -110,3 +110,74 @@ def test_export_has_eagle3s_names_and_loads_back(pair, tmp_path):
         hidden_states = teacher(input_ids=text, output_hidden_states=True).hidden_states
         assert torch.equal(loaded(text, teacher_hidden_states=hidden_states).logits,
                            drafter(text, teacher_hidden_states=hidden_states).logits)
+
+
+# ---- as a student kind: the plan's refusals, and a run through the Distiller -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    from tiny_tokenizers import bpe
+
+    tokenizer = bpe("d e", "de f")
+    path = tmp_path_factory.mktemp("feature_teacher") / "teacher"
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(vocab_size=len(tokenizer), num_hidden_layers=6)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _plan(students, teachers, **training):
+    from distill_kit import TrainingConfig
+    from distill_kit.training.plan import make_plan
+
+    return make_plan(students, teachers, training=TrainingConfig(max_steps=1, micro_batch_size=2, **training),
+                     world_size=1)
+
+
+def test_a_teacher_without_hidden_states_several_teachers_and_sampling_are_refused(llama_folder, monkeypatch):
+    from distill_kit import StudentSpec, TeacherSpec
+    from distill_kit.config import OnPolicyConfig
+    from distill_kit.errors import ConfigError
+    from distill_kit.teachers import served
+
+    drafter = StudentSpec(name="eagle", feature_drafter={})
+    teacher = TeacherSpec(name="t", model=str(llama_folder))
+    assert _plan([drafter], [teacher]).student_configs["eagle"].model_type == "llama"  # the plain case plans
+    config = LlamaForCausalLM.config_class.from_pretrained(llama_folder)
+    monkeypatch.setattr(served, "server_info", lambda url, opts, named: {
+        "vocab_size": config.vocab_size, "config": config.to_dict(), "max_top_k": 8})
+    server = TeacherSpec(name="srv", model="http://127.0.0.1:9", kind="served", options={"tokenizer": str(llama_folder)})
+    with pytest.raises(ConfigError, match="cannot give its hidden states"):
+        _plan([drafter], [server])
+    with pytest.raises(ConfigError, match="exactly one teacher"):
+        _plan([drafter], [teacher, TeacherSpec(name="u", model=str(llama_folder))])
+    with pytest.raises(ConfigError, match="cannot sample on its own"):
+        _plan([drafter], [teacher], on_policy=OnPolicyConfig(fraction=1.0, sampler="student"))
+    with pytest.raises(ValueError, match="drop model"):
+        StudentSpec(name="eagle", model=str(llama_folder), feature_drafter={})
+
+
+@pytest.mark.slow  # builds DeepSpeed engines: a few seconds, off the fast tier
+def test_the_distiller_trains_evaluates_and_exports_it(llama_folder, tmp_path):
+    from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig
+    from distill_kit.config import SpeculativeConfig
+    from tests.tiny_models import random_batches
+
+    distiller = Distiller(students=[StudentSpec(name="eagle", feature_drafter={"layers": [1, 3, 5]})],
+                          teachers=[TeacherSpec(model=str(llama_folder))],
+                          training=TrainingConfig(max_steps=3, micro_batch_size=2, lr=1e-2),
+                          speculative=SpeculativeConfig(prompts=2, gamma=2, max_new_tokens=4, prompt_tokens=4))
+    drafter = distiller.students["eagle"].model
+    assert drafter.layers == (1, 3, 5)
+    before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
+    vocab = drafter.config.vocab_size
+    history = distiller.train(iter(random_batches(3, 2, 12, seed=0, vocab=vocab)))
+    assert history
+    after = dict(drafter.named_parameters())
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])  # trained on the teacher's features
+    assert torch.equal(after["embed_tokens.weight"], before["embed_tokens.weight"])  # the teacher's (tied): frozen
+    figures = distiller.evaluate(random_batches(2, 2, 12, seed=1, vocab=vocab), max_batches=1)
+    assert 1 <= figures["eagle"]["speculative_tau"] <= 3 and figures["eagle"]["perplexity"] > 0
+    folder = distiller.export(tmp_path / "students")["eagle"]
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -109,6 +109,9 @@ class FeatureDrafter(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
