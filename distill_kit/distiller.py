@@ -316,8 +316,12 @@ class Distiller(Trainer):
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
         losses = {}
         for name, student in self.students.items():
-            student_out = peers[name] if peers else (student.forward(batch, teacher_out)
-                                                     if student.reads_teacher_features else self._forward(batch, student))
+            if peers:
+                student_out = peers[name]
+            elif student.reads_teacher_features:  # a feature-reading drafter: the teacher's hidden states in
+                student_out = student.forward(batch, teacher_out)
+            else:
+                student_out = self._forward(batch, student)
             target = teacher_out if len(self.teachers) else tuple(_detached(o) for n, o in peers.items() if n != name)
             loss = self._loss(student_out, target, batch, student)
             student.engine.backward(nonfinite.poison_if_not_finite(loss.total))

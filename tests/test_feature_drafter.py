@@ -147,7 +147,8 @@ def test_a_teacher_without_hidden_states_several_teachers_and_sampling_are_refus
     config = LlamaForCausalLM.config_class.from_pretrained(llama_folder)
     monkeypatch.setattr(served, "server_info", lambda url, opts, named: {
         "vocab_size": config.vocab_size, "config": config.to_dict(), "max_top_k": 8})
-    server = TeacherSpec(name="srv", model="http://127.0.0.1:9", kind="served", options={"tokenizer": str(llama_folder)})
+    server = TeacherSpec(name="srv", model="http://127.0.0.1:9", kind="served",
+                         options={"tokenizer": str(llama_folder)})
     with pytest.raises(ConfigError, match="cannot give its hidden states"):
         _plan([drafter], [server])
     with pytest.raises(ConfigError, match="exactly one teacher"):
@@ -162,22 +163,28 @@ def test_a_teacher_without_hidden_states_several_teachers_and_sampling_are_refus
 def test_the_distiller_trains_evaluates_and_exports_it(llama_folder, tmp_path):
     from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig
     from distill_kit.config import SpeculativeConfig
+    from distill_kit.run import report
     from tests.tiny_models import random_batches
 
     distiller = Distiller(students=[StudentSpec(name="eagle", feature_drafter={"layers": [1, 3, 5]})],
                           teachers=[TeacherSpec(model=str(llama_folder))],
-                          training=TrainingConfig(max_steps=3, micro_batch_size=2, lr=1e-2),
+                          training=TrainingConfig(max_steps=2, micro_batch_size=2, lr=1e-2),
                           speculative=SpeculativeConfig(prompts=2, gamma=2, max_new_tokens=4, prompt_tokens=4))
     drafter = distiller.students["eagle"].model
     assert drafter.layers == (1, 3, 5)
     before = {name: p.detach().clone() for name, p in drafter.named_parameters()}
     vocab = drafter.config.vocab_size
-    history = distiller.train(iter(random_batches(3, 2, 12, seed=0, vocab=vocab)))
+    history = distiller.train(iter(random_batches(2, 2, 12, seed=0, vocab=vocab)))
     assert history
     after = dict(drafter.named_parameters())
     assert not torch.equal(after["fc.weight"], before["fc.weight"])  # trained on the teacher's features
     assert torch.equal(after["embed_tokens.weight"], before["embed_tokens.weight"])  # the teacher's (tied): frozen
     figures = distiller.evaluate(random_batches(2, 2, 12, seed=1, vocab=vocab), max_batches=1)
     assert 1 <= figures["eagle"]["speculative_tau"] <= 3 and figures["eagle"]["perplexity"] > 0
+    assert figures["eagle"]["speculative_method"] == "eagle3"
+    summary = report.summarize(figures, {"eagle": "forward_kl"})
+    report.add_drafting(summary, {"name": "teacher", "model": "/models/t", "sha256": "ab"}, tmp_path / "students")
+    assert "--speculative-algorithm EAGLE3" in summary["students"]["eagle"]["serve"]["sglang"]
+    assert '"method": "eagle3"' in summary["students"]["eagle"]["serve"]["vllm"]
     folder = distiller.export(tmp_path / "students")["eagle"]
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -349,7 +349,8 @@ def evaluate_drafters(target: nn.Module, drafters: Mapping[str, nn.Module], prom
             figures = acceptance_figures(accepted, gamma)
             latencies = measure_latencies(target, drafter, prompts[0], gamma, latency_repeats)
             figures |= latencies | {"predicted_speedup": predicted_speedup(figures["tau"], gamma, latencies),
-                                    "gamma": gamma, "mode": mode}
+                                    "gamma": gamma, "mode": mode,
+                                    "method": "eagle3" if reads_features(drafter) else "draft_model"}
         finally:
             drafter.train(was_training)
         results[name] = figures
