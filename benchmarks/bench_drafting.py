@@ -22,8 +22,7 @@ or tied once rounded), and the verification of ``gamma + 1`` tokens runs other k
 bf16 it picks another token now and then; one such flip sends the rest of the text elsewhere, and the ``always``
 drafter, fed the target-alone tokens, is rejected from there on (the 2026-12-03 run: tau 1.07, not 5). ``agreement``
 measures it on the run: the share of the target-alone greedy tokens that one uncached forward over the text also
-picks, and the smallest gap between the top two logits, in each dtype (CPU, a 4-layer Qwen2-0.5B-wide model:
-bf16 0.975 with exact ties, float32 1.0, largest step/forward logit difference 0.03 and 5e-6).
+picks, and the smallest gap between the top two logits, in each dtype (on the CPU: ``drafting_ties.py``).
 
     python benchmarks/bench_drafting.py --out $OUT                          # one H200, about 2 minutes
     python benchmarks/bench_drafting.py --pair tiny --device cpu --new 16   # CPU: test_bench_drafting_smoke.py
