@@ -2,19 +2,27 @@
 speculative decoding run end to end, bounded by a drafter that always agrees and one that never does.
 
 Random-initialised models of the served shapes (``pairs.py``: Qwen2-7B-shaped target, Qwen2-0.5B-shaped drafter,
-one vocabulary; latency depends on shapes, not on what the weights learned), bf16, SDPA, KV caches:
+one vocabulary; latency depends on shapes, not on what the weights learned), SDPA, KV caches:
 
-1. **Latencies** at each ``--batch``: the target's decode step (1 token after a ``--prompt``-token cache), its
-   verification of ``gamma + 1`` tokens, the drafter's decode step (median of ``--repeats`` after a warm-up, CUDA
-   synchronised). With each tau of ``--tau`` (the CPU runs' figures: benchmarks/results/drafters.md) the speed-up
-   ``speculative.predicted_speedup`` gives.
-2. **End to end** (batch 1, greedy): ``--new`` tokens by the target alone (its own cached decode loop) and by
-   speculative decoding with the drafter in three policies: ``model`` (the drafter's own argmax: a random drafter,
-   about never right), ``always`` (the drafter's forward runs, then its token is replaced by the target's greedy
-   token, known from the target-alone run: tau = gamma + 1) and ``never`` (replaced by any other token: tau = 1).
-   The same cached loop for all three (KV caches cropped after each verification), hand-written here because
+1. **Latencies** at each ``--batch``, in ``--dtype`` (bf16): the target's decode step (1 token after a
+   ``--prompt``-token cache), its verification of ``gamma + 1`` tokens, the drafter's decode step, and the step of
+   a feature-reading drafter on the target (EAGLE-3's one layer, ``students/feature_drafter.py``; its step's fused
+   input is given, as a server computes ``fc`` once per verified token); median of ``--repeats`` after a warm-up,
+   CUDA synchronised. With each tau of ``--tau`` the speed-up ``speculative.predicted_speedup`` gives.
+2. **End to end** (batch 1, greedy), in ``--e2e-dtype`` (float32, TF32 off): ``--new`` tokens by the target alone
+   (its own cached decode loop) and by speculative decoding with the drafter in the ``--policies``: ``always`` (the
+   drafter's forward runs, then its token is replaced by the target's greedy token, known from the target-alone
+   run: tau = gamma + 1), ``never`` (replaced by any other token: tau = 1) and ``model`` (the random drafter's own
+   argmax). The same cached loop for all (KV caches cropped after each verification), hand-written here because
    transformers' assisted generation offers no drafter that is forced to agree; its tokens are checked equal to the
    target's greedy tokens in every policy.
+
+Why float32 end to end: a random target's logits are nearly flat (their top two are often within bf16's rounding,
+or tied once rounded), and the verification of ``gamma + 1`` tokens runs other kernels than a one-token step, so in
+bf16 it picks another token now and then; one such flip sends the rest of the text elsewhere, and the ``always``
+drafter, fed the target-alone tokens, is rejected from there on (the 2026-12-03 run: tau 1.07, not 5). ``agreement``
+measures it on the run: the share of the target-alone greedy tokens that one uncached forward over the text also
+picks, and the smallest gap between the top two logits, in each dtype (on the CPU: ``drafting_ties.py``).
 
     python benchmarks/bench_drafting.py --out $OUT                          # one H200, about 2 minutes
     python benchmarks/bench_drafting.py --pair tiny --device cpu --new 16   # CPU: test_bench_drafting_smoke.py
@@ -38,6 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pairs import PAIRS  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from distill_kit.students.feature_drafter import FeatureDrafter  # noqa: E402
 from distill_kit.training import speculative  # noqa: E402
 
 
@@ -136,6 +145,32 @@ def speculative_run(target, drafter, prompt: torch.Tensor, new: int, gamma: int,
     return tokens[:new], accepted, time.perf_counter() - started
 
 
+@torch.no_grad()
+def agreement(target, prompt: torch.Tensor, reference: list[int]) -> dict[str, float]:
+    """How far the target's greedy tokens hold under other kernels: the share of ``reference`` (its cached one-token
+    steps) that one uncached forward over prompt + reference also picks, and the smallest gap between the top two
+    logits of that forward (0: a tie)."""
+    ids = torch.cat([prompt, prompt.new_tensor(reference[:-1])])[None]
+    logits = target(input_ids=ids).logits[0, len(prompt) - 1:].float()
+    top = logits.topk(2, dim=-1).values
+    picked = logits.argmax(-1).cpu() == torch.tensor(reference)
+    return {"agree": picked.float().mean().item(), "first_disagreement": int((~picked).nonzero()[0]) if (
+        ~picked).any() else None, "min_top2_gap": (top[:, 0] - top[:, 1]).min().item()}
+
+
+@torch.no_grad()
+def feature_latency(drafter, batch: int, prompt: int, repeats: int, device: torch.device) -> float:
+    """Seconds of the feature-reading drafter's decode step at ``batch`` rows after ``prompt`` cached tokens."""
+    ids = torch.randint(0, drafter.config.vocab_size, (batch, prompt), device=device)
+    return speculative.feature_step_latency(drafter, ids, repeats)
+
+
+def save(result: dict, out: str) -> None:
+    """Written after every phase: a run stopped by its time limit keeps what it measured."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "bench_drafting.json").write_text(json.dumps(result, indent=2))
+
+
 def build(config, dtype: torch.dtype, device: torch.device):
     config = config.__class__.from_dict(config.to_dict() | {"use_cache": True})
     with device:  # built on the device: a 7.6B model is never initialised on the host
@@ -147,7 +182,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", default="qwen2-7b-0.5b", choices=sorted(PAIRS))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="of the latencies")
+    parser.add_argument("--e2e-dtype", default="fp32", choices=["bf16", "fp32"],
+                        help="of the end-to-end runs (float32: no near-ties flipped by kernels, module docstring)")
+    parser.add_argument("--policies", nargs="+", default=["never", "always"], choices=["never", "model", "always"])
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=256)
@@ -160,26 +198,45 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/bench_drafting")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    torch.manual_seed(0)
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    dtype, e2e_dtype = dtypes[args.dtype], dtypes[args.e2e_dtype]
+    if device.type == "cuda":  # float32 means float32: TF32 matmuls would round as coarsely as the ties they avoid
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     pair = PAIRS[args.pair]
-    target, drafter = build(pair.teacher, dtype, device), build(pair.student, dtype, device)
     result: dict = {"pair": args.pair, "description": pair.description, "settings": vars(args),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "latency": {}, "end_to_end": {}}
+                    "torch": torch.__version__, "latency": {}, "agreement": {}, "end_to_end": {}}
+    torch.manual_seed(0)
+    target, drafter = build(pair.teacher, dtype, device), build(pair.student, dtype, device)
+    feature = FeatureDrafter(target).eval()
     for batch in args.batch:
         figures = {"target_step_s": latency(target, batch, args.prompt, 1, args.repeats, device),
                    "target_verify_s": latency(target, batch, args.prompt, args.gamma + 1, args.repeats, device),
-                   "drafter_step_s": latency(drafter, batch, args.prompt, 1, args.repeats, device)}
+                   "drafter_step_s": latency(drafter, batch, args.prompt, 1, args.repeats, device),
+                   "feature_drafter_step_s": feature_latency(feature, batch, args.prompt, args.repeats, device)}
         figures["predicted_speedup"] = {str(tau): speculative.predicted_speedup(tau, args.gamma, figures)
                                         for tau in args.tau}
+        figures["feature_drafter_predicted_speedup"] = {
+            str(tau): speculative.predicted_speedup(tau, args.gamma, figures | {
+                "drafter_step_s": figures["feature_drafter_step_s"]}) for tau in args.tau}
         result["latency"][str(batch)] = figures
         print(f"batch {batch}: " + json.dumps(figures), flush=True)
+        save(result, args.out)
     prompt = torch.randint(0, pair.teacher.vocab_size, (args.prompt,), device=device)
+    reference, _ = target_alone(target, prompt, args.new)
+    result["agreement"][args.dtype] = agreement(target, prompt, reference)
+    print(f"agreement {args.dtype}: " + json.dumps(result["agreement"][args.dtype]), flush=True)
+    if e2e_dtype != dtype:
+        del feature
+        target, drafter = target.to(e2e_dtype), drafter.to(e2e_dtype)
     target_alone(target, prompt, 4)  # warm-up
     reference, seconds = target_alone(target, prompt, args.new)
+    result["agreement"][args.e2e_dtype] = agreement(target, prompt, reference)
+    print(f"agreement {args.e2e_dtype}: " + json.dumps(result["agreement"][args.e2e_dtype]), flush=True)
+    result["end_to_end"]["dtype"] = args.e2e_dtype
     result["end_to_end"]["target_alone"] = {"tokens_per_s": args.new / seconds, "seconds": seconds}
-    for policy in ("never", "model", "always"):
+    for policy in args.policies:
         speculative_run(target, drafter, prompt, 4, args.gamma, policy, reference)  # warm-up
         tokens, accepted, seconds = speculative_run(target, drafter, prompt, args.new, args.gamma, policy, reference)
         result["end_to_end"][policy] = {
@@ -188,9 +245,8 @@ def main(argv=None) -> int:
             "tau": (sum(accepted) + len(accepted)) / len(accepted), "rounds": len(accepted),
             "same_tokens_as_target": tokens == reference}
         print(f"{policy}: " + json.dumps(result["end_to_end"][policy]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_drafting.json").write_text(json.dumps(result, indent=2))
+        save(result, args.out)
+    save(result, args.out)
     return 0
 
 

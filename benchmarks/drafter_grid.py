@@ -1,27 +1,35 @@
 """Drafters for the embedded default's teacher: tau at gamma = 4 of one size and one initialisation, by objective.
 
-Every drafter is the embedded default's student (0.94M parameters), cut from its teacher as ``make distill`` cuts it
-(``DEFAULT_STUDENT_CUT``: every other layer, width pruned by activation importance), the same cut weights for every
-objective of a seed. Rows of the corpus are ``prompt`` tokens of context and ``continuation`` tokens to learn: the
-off-policy objectives learn the corpus's continuation, the on-policy ones replace it by the drafter's own sample
-(``training.on_policy``: fraction 1, sampler student, temperature 1). Objectives (``OBJECTIVES``):
+Every model-drafter is the embedded default's student (0.94M parameters), cut from its teacher as ``make distill``
+cuts it (``DEFAULT_STUDENT_CUT``: every other layer, width pruned by activation importance), the same cut weights
+for every objective of a seed. Rows of the corpus are ``prompt`` tokens of context and ``continuation`` tokens to
+learn: the off-policy objectives learn the corpus's continuation, the on-policy ones replace it by the drafter's own
+sample (``training.on_policy``: fraction 1, sampler student, temperature 1). Rows (``ROWS``):
 
-* ``no_teacher``: cross-entropy on the corpus (no teacher);
-* ``forward_kl``: today's recipe, off-policy;
-* ``total_variation``: off-policy, the acceptance objective (1 - TV is the acceptance rate of speculative sampling);
-* ``on_policy_tv``: total variation on the drafter's own samples;
-* ``target_verified``: on the drafter's own samples, total variation weighted by the chance the teacher reads and
-  rejects each drafted token (``losses/drafting.py``).
+* ``cut``: the cut, not trained;
+* ``no_teacher``, ``forward_kl`` (today's recipe), ``total_variation``: off-policy, ``--steps`` steps, one run (one
+  teacher forward for the three);
+* warm-started from that seed's ``forward_kl`` drafter, ``--warm-steps`` more steps each (as the task benchmark
+  warm-starts its on-policy recipes): ``forward_kl_continued`` (off-policy, the control: as many steps in all as the
+  on-policy rows), ``on_policy_fkl``, ``on_policy_tv``, ``target_verified`` (total variation weighted toward the
+  drafts the teacher rejects, ``losses/drafting.py``) and ``target_verified_fkl`` (the same weights on forward KL);
+* ``feature_drafter``: EAGLE-3's feature-reading drafter on the teacher (``students/feature_drafter.py``), trained
+  ``--steps`` steps with forward KL on the corpus at ``--ttt`` unrolled draft steps (training-time test), each
+  step's loss weighted ``0.8 ** (m - 1)`` as EAGLE-3 does; a plain loop here (AdamW, the runs' schedule and
+  clipping), as the Distiller does not build this student kind yet.
 
-Each drafter is then measured by exact greedy speculative decoding with the teacher as target
-(``distill_kit/training/speculative.py``) on ``--prompts`` held-out prompts (the first ``prompt`` tokens of held-out
-blocks), ``--new-tokens`` tokens each. One seed after another, each objective its own Distiller (one sampling student
-per run); off-policy objectives share one run (one teacher forward for the three). Results: ``--out`` JSON, rewritten
-after every run, and a table (mean over seeds and range)::
+Each drafter is measured by exact greedy speculative decoding with the teacher as target (``--sampled``: sampled
+mode too, temperature 1) on ``--prompts`` held-out prompts (the first ``prompt`` tokens of held-out blocks),
+``--new-tokens`` tokens each (``distill_kit/training/speculative.py``).
 
-    OMP_NUM_THREADS=1 python benchmarks/drafter_grid.py --seeds 0 1 2 --steps 300 --out runs/drafters.json
+Cells (a seed's off-policy run, its feature drafter, each warm-started row) run as ``--jobs`` processes side by side
+(``OMP_NUM_THREADS=1`` each; on ``--device cuda`` all on the one GPU); a warm-started cell starts when its seed's
+off-policy cell is done. Each cell writes ``<out>/cells/<row>_s<seed>.json`` when done, and the merge (``<out>/
+drafters.json``, mean over seeds and range) reads whatever cells are there, so a grid stopped early keeps its
+finished cells::
 
-or one process a seed, side by side, then ``--merge runs/d0.json runs/d1.json runs/d2.json --out runs/drafters.json``.
+    python benchmarks/drafter_grid.py --seeds 0 1 2 --steps 400 --warm-steps 200 --jobs 5 --out runs/drafters
+    python benchmarks/drafter_grid.py --merge --out runs/drafters        # the table of the cells there
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,18 +51,25 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import losses.functional as functional  # noqa: E402
 from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig  # noqa: E402
 from distill_kit.config import OnPolicyConfig  # noqa: E402
 from distill_kit.data import blocks  # noqa: E402
 from distill_kit.data.corpus import write_corpus  # noqa: E402
+from distill_kit.engines.schedule import scheduler  # noqa: E402
 from distill_kit.run.run_config import DEFAULT_STUDENT_CUT, DEFAULT_TEACHER  # noqa: E402
+from distill_kit.students.feature_drafter import FeatureDrafter  # noqa: E402
 from distill_kit.students.from_teacher import student_from_teacher  # noqa: E402
 from distill_kit.training import speculative  # noqa: E402
 
 OFF_POLICY = {"no_teacher": "cross_entropy", "forward_kl": "forward_kl", "total_variation": "total_variation"}
-ON_POLICY = {"on_policy_tv": "total_variation",
-             "target_verified": {"name": "target_verified", "gamma": 4, "rejected_weight": 1.0}}
-OBJECTIVES = [*OFF_POLICY, *ON_POLICY]
+WARM = {"on_policy_fkl": ("forward_kl", True),
+        "target_verified_fkl": ({"name": "target_verified", "gamma": 4, "rejected_weight": 1.0,
+                                 "divergence": "forward_kl"}, True),
+        "forward_kl_continued": ("forward_kl", False), "on_policy_tv": ("total_variation", True),
+        "target_verified": ({"name": "target_verified", "gamma": 4, "rejected_weight": 1.0}, True)}
+ROWS = ["cut", *OFF_POLICY, *WARM, "feature_drafter"]
+CELLS = ["off_policy", *WARM, "feature_drafter"]  # a cell: one process's work for one seed
 
 
 def data(args: argparse.Namespace, tokenizer) -> blocks.DataSplits:
@@ -73,36 +90,145 @@ def with_prompts(loader, prompt: int):
         yield batch
 
 
-def train(students: dict, losses: dict, args: argparse.Namespace, splits, seed: int, on_policy: bool) -> dict:
-    training = TrainingConfig(max_steps=args.steps, micro_batch_size=args.batch, lr=args.lr, betas=(0.9, 0.95),
-                              warmup_steps=20, seed=seed, log_every=10**9,
-                              on_policy=OnPolicyConfig(fraction=1.0, sampler="student",
-                                                       max_new_tokens=args.continuation) if on_policy else
-                              OnPolicyConfig())
+def forever(splits, args: argparse.Namespace, seed: int):
+    loader = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, seed=seed)
+    while True:
+        yield from with_prompts(loader, args.prompt)
+
+
+def training_config(args: argparse.Namespace, seed: int, steps: int, on_policy: bool) -> TrainingConfig:
+    return TrainingConfig(max_steps=steps, micro_batch_size=args.batch, lr=args.lr, betas=(0.9, 0.95),
+                          warmup_steps=20, seed=seed, log_every=10**9,
+                          on_policy=OnPolicyConfig(fraction=1.0, sampler="student", max_new_tokens=args.continuation)
+                          if on_policy else OnPolicyConfig())
+
+
+def train(students: dict, losses: dict, args: argparse.Namespace, splits, seed: int, steps: int,
+          on_policy: bool) -> dict:
     specs = [StudentSpec(name=name, model=students[name], loss=losses[name]) for name in losses]
     distiller = Distiller(students=specs, teachers=[TeacherSpec(name="teacher", model=str(DEFAULT_TEACHER))],
-                          training=training)
+                          training=training_config(args, seed, steps, on_policy))
     torch.manual_seed(seed)
-    loader = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, seed=seed)
-
-    def forever():
-        while True:
-            yield from with_prompts(loader, args.prompt)
-
-    distiller.train(forever())
+    distiller.train(forever(splits, args, seed))
     return {name: distiller.students[name].model for name in losses}
 
 
+def train_feature_drafter(teacher, args: argparse.Namespace, splits, seed: int, device: torch.device):
+    """EAGLE-3's drafter on ``teacher``: forward KL to the teacher's next-token distribution at every learnt
+    position, at each of ``--ttt`` unrolled draft steps (step m weighted 0.8 ** (m - 1), summed), AdamW on its own
+    weights (the teacher's embedding and head stay frozen), the Distiller's schedule and clipping."""
+    torch.manual_seed(seed)
+    drafter = FeatureDrafter(teacher).to(device).train()
+    training = training_config(args, seed, args.steps, False)
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = scheduler(optimizer, training)
+    batches = forever(splits, args, seed)
+    for _ in range(args.steps):
+        batch = next(batches)
+        ids = batch["input_ids"].to(device)
+        mask = (batch["labels"][:, 1:] != -100).to(device)  # positions whose next token is learnt
+        with torch.no_grad():
+            out = teacher(input_ids=ids, output_hidden_states=True)
+        loss = 0.0
+        for m, step in enumerate(drafter.unrolled(ids, out.hidden_states, steps=args.ttt)):
+            per_token = functional.forward_kl(step.logits[:, :-1].float(), out.logits[:, :-1].float())
+            loss = loss + 0.8 ** m * (per_token * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.trainable_parameters(), training.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+    return drafter.eval()
+
+
 def measure(teacher, drafters: dict, prompts: list[torch.Tensor], args: argparse.Namespace) -> dict:
-    return speculative.evaluate_drafters(teacher, drafters, prompts, gamma=args.gamma, max_new_tokens=args.new_tokens,
-                                         mode="greedy", latency_repeats=3)
+    """Greedy figures of each drafter, and with ``--sampled`` its sampled-mode tau and acceptance beside them."""
+    figures = speculative.evaluate_drafters(teacher, drafters, prompts, gamma=args.gamma,
+                                            max_new_tokens=args.new_tokens, mode="greedy", latency_repeats=3)
+    if args.sampled:
+        sampled = speculative.evaluate_drafters(teacher, drafters, prompts, gamma=args.gamma,
+                                                max_new_tokens=args.new_tokens, mode="sampled", latency_repeats=1)
+        for name, row in sampled.items():
+            figures[name] |= {"tau_sampled": row["tau"],
+                              "acceptance_by_position_sampled": row["acceptance_by_position"]}
+    return figures
+
+
+def run_cell(cell: str, seed: int, args: argparse.Namespace) -> dict:
+    """One cell's rows, trained and measured."""
+    device = torch.device(args.device)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TEACHER)
+    splits = data(args, tokenizer)
+    teacher = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER, dtype=torch.float32).eval()
+    prompts = [torch.tensor(row["input_ids"][:args.prompt], device=device)
+               for row in list(splits.heldout)[:args.prompts]]
+    work = Path(args.out) / "work"
+    torch.manual_seed(seed)
+    if cell == "feature_drafter":
+        teacher = teacher.to(device)
+        drafter = train_feature_drafter(teacher, args, splits, seed, device)
+        return measure(teacher, {"feature_drafter": drafter}, prompts, args)
+    calibration = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, shuffle=False)
+    cut = student_from_teacher(teacher, DEFAULT_STUDENT_CUT, calibration)
+    if cell == "off_policy":
+        losses = {n: loss for n, loss in OFF_POLICY.items() if n in args.rows}
+        trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, splits, seed, args.steps, False)
+        if "forward_kl" in trained:  # the warm start of this seed's warm cells (a state dict: loaded weights-only)
+            work.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v.detach().cpu() for k, v in trained["forward_kl"].state_dict().items()},
+                       work / f"forward_kl_s{seed}.pt")
+        rows = {"cut": cut} | trained if "cut" in args.rows else trained
+        return measure(teacher.to(device), {n: m.to(device).eval() for n, m in rows.items()}, prompts, args)
+    loss, on_policy = WARM[cell]
+    cut.load_state_dict(torch.load(work / f"forward_kl_s{seed}.pt", weights_only=True))
+    trained = train({cell: cut}, {cell: loss}, args, splits, seed, args.warm_steps, on_policy)
+    return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args)
+
+
+def cell_path(out: Path, cell: str, seed: int) -> Path:
+    return out / "cells" / f"{cell}_s{seed}.json"
+
+
+def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
+    """Every (cell, seed) as its own process, ``--jobs`` at a time; a warm cell after its seed's off-policy one."""
+    wanted = [c for c in CELLS if c == "off_policy" and set(OFF_POLICY) & set(args.rows) or c in args.rows]
+    # the first cells of every seed first, then each warm row at every seed before the next row
+    pending = [(c, s) for c in wanted if c not in WARM for s in args.seeds]
+    pending += [(c, s) for c in wanted if c in WARM for s in args.seeds]
+    write_corpus(Path(args.cache) / "corpus")  # once, before the cells read it side by side
+    running: dict = {}
+    done: set = set()
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    started = time.time()
+    while pending or running:
+        if args.deadline and time.time() - started > args.deadline:
+            for key, process in running.items():  # the merge keeps every cell finished so far
+                process.terminate()
+                process.wait()
+                print(f"cell {key[0]} seed {key[1]}: stopped at the deadline", flush=True)
+            print(f"not started: {pending}", flush=True)
+            return
+        for key, process in list(running.items()):
+            if process.poll() is not None:
+                del running[key]
+                done.add(key)
+                print(f"cell {key[0]} seed {key[1]}: exit {process.returncode}", flush=True)
+        ready = [(c, s) for c, s in pending if c in ("off_policy", "feature_drafter") or ("off_policy", s) in done]
+        for key in ready[:max(0, args.jobs - len(running))]:
+            pending.remove(key)
+            command = [sys.executable, __file__, *argv, "--cell", key[0], str(key[1])]
+            running[key] = subprocess.Popen(command, env=env)
+        time.sleep(1)
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--objectives", nargs="+", default=OBJECTIVES, choices=OBJECTIVES)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument("--steps", type=int, default=400, help="off-policy and feature-drafter steps")
+    parser.add_argument("--warm-steps", type=int, default=200, help="steps of each warm-started row")
+    parser.add_argument("--ttt", type=int, default=3, help="the feature drafter's unrolled draft steps in training")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--prompt", type=int, default=32, help="context tokens of each row and held-out prompt")
@@ -111,65 +237,74 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts tau is measured on")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per held-out prompt")
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--sampled", action="store_true", help="sampled-mode tau too (temperature 1)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--jobs", type=int, default=1, help="cells run as this many processes side by side")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="seconds after which running cells are stopped and the finished ones merged (0: none)")
     parser.add_argument("--cache", default=".cache")
-    parser.add_argument("--out", default="runs/drafters.json")
-    parser.add_argument("--merge", nargs="+", default=[], metavar="JSON",
-                        help="merge finished runs (one per seed, run side by side) into --out and print the table")
+    parser.add_argument("--out", default="runs/drafters")
+    parser.add_argument("--cell", nargs=2, metavar=("CELL", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--merge", action="store_true", help="only merge the cells in --out and print the table")
     args = parser.parse_args(argv)
-    if args.merge:
-        parts = [json.loads(Path(path).read_text()) for path in args.merge]
-        merged = {"settings": parts[0]["settings"] | {"seeds": [s for p in parts for s in map(int, p["seeds"])]},
-                  "seeds": {seed: figures for p in parts for seed, figures in p["seeds"].items()}}
-        merged["table"] = table(merged)
-        Path(args.out).write_text(json.dumps(merged, indent=2))
-        print(json.dumps(merged["table"], indent=2))
-        return 0
-    torch.set_num_threads(1)
-
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TEACHER)
-    splits = data(args, tokenizer)
-    teacher = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER).eval()
-    prompts = [torch.tensor(row["input_ids"][:args.prompt]) for row in list(splits.heldout)[:args.prompts]]
-    results: dict = {"settings": vars(args), "seeds": {}}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for seed in args.seeds:
+    if args.cell:
+        torch.set_num_threads(1)
+        cell, seed = args.cell[0], int(args.cell[1])
         started = time.time()
-        torch.manual_seed(seed)
-        calibration = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, shuffle=False)
-        cut = student_from_teacher(teacher, DEFAULT_STUDENT_CUT, calibration)
-        figures = {"cut": measure(teacher, {"cut": cut}, prompts, args)["cut"]}
-        runs = [({n: loss for n, loss in OFF_POLICY.items() if n in args.objectives}, False)]
-        runs += [({n: loss}, True) for n, loss in ON_POLICY.items() if n in args.objectives]
-        for losses, on_policy in runs:
-            if not losses:
-                continue
-            trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, splits, seed, on_policy)
-            figures |= measure(teacher, trained, prompts, args)
-            results["seeds"][str(seed)] = figures | {"seconds": time.time() - started}
-            out.write_text(json.dumps(results, indent=2))
-        print(f"seed {seed}: " + ", ".join(f"{k} {v['tau']:.3f}" for k, v in figures.items() if isinstance(v, dict)),
-              flush=True)
-    results["table"] = table(results)
-    out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results["table"], indent=2))
+        figures = run_cell(cell, seed, args)
+        path = cell_path(out, cell, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cell": cell, "seed": seed, "seconds": time.time() - started,
+                                    "figures": figures}, indent=2))
+        print(f"{cell} seed {seed} ({time.time() - started:.0f} s): " +
+              ", ".join(f"{k} {v['tau']:.3f}" for k, v in figures.items()), flush=True)
+        return 0
+    if not args.merge:
+        schedule_cells(args, argv)
+    merged = merge(out, vars(args))
+    (out / "drafters.json").write_text(json.dumps(merged, indent=2))
+    print(json.dumps(merged["table"], indent=2))
     return 0
 
 
+def merge(out: Path, settings: dict) -> dict:
+    """Every finished cell's rows by seed, and the table."""
+    seeds: dict = {}
+    for path in sorted((out / "cells").glob("*.json")):
+        cell = json.loads(path.read_text())
+        seeds.setdefault(str(cell["seed"]), {}).update(cell["figures"])
+        seeds[str(cell["seed"])].setdefault("seconds", {})[cell["cell"]] = cell["seconds"]
+    results = {"settings": settings, "seeds": seeds}
+    results["table"] = table(results)
+    return results
+
+
+def _mean_positions(rows: list[list]) -> list:
+    return [statistics.mean(a for a in x if a is not None) if any(a is not None for a in x) else None
+            for x in zip(*rows, strict=True)]
+
+
 def table(results: dict) -> dict:
-    """Per drafter: mean tau over seeds, its range, each seed's, and the ratio of the mean to forward KL's."""
+    """Per drafter: mean tau over seeds, its range, each seed's, the ratio of the mean to forward KL's; the same
+    for sampled-mode tau where measured."""
     rows: dict = {}
-    names = {k for figures in results["seeds"].values() for k, v in figures.items() if isinstance(v, dict)}
-    for name in sorted(names):
-        taus = [f[name]["tau"] for f in results["seeds"].values() if name in f]
+    names = {k for figures in results["seeds"].values() for k, v in figures.items() if isinstance(v, dict)
+             and "tau" in v}
+    for name in sorted(names, key=lambda n: ROWS.index(n) if n in ROWS else len(ROWS)):
+        found = [f[name] for f in results["seeds"].values() if name in f]
+        taus = [f["tau"] for f in found]
         rows[name] = {"tau_mean": statistics.mean(taus), "tau_min": min(taus), "tau_max": max(taus), "taus": taus,
-                      "acceptance_by_position_mean": [statistics.mean(a for a in x if a is not None) if any(
-                          a is not None for a in x) else None for x in zip(
-                          *[f[name]["acceptance_by_position"] for f in results["seeds"].values() if name in f],
-                          strict=True)]}
+                      "acceptance_by_position_mean": _mean_positions([f["acceptance_by_position"] for f in found])}
+        sampled = [f["tau_sampled"] for f in found if "tau_sampled" in f]
+        if sampled:
+            rows[name] |= {"tau_sampled_mean": statistics.mean(sampled), "tau_sampled_min": min(sampled),
+                           "tau_sampled_max": max(sampled), "taus_sampled": sampled}
     if "forward_kl" in rows:
         for row in rows.values():
             row["vs_forward_kl"] = row["tau_mean"] / rows["forward_kl"]["tau_mean"]
+            if "tau_sampled_mean" in row and "tau_sampled_mean" in rows["forward_kl"]:
+                row["sampled_vs_forward_kl"] = row["tau_sampled_mean"] / rows["forward_kl"]["tau_sampled_mean"]
     return rows
 
 

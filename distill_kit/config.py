@@ -407,6 +407,25 @@ class QuantizeConfig:
 
 
 @dataclass(frozen=True)
+class FeatureDrafterConfig:
+    """A drafter that reads its teacher's features (EAGLE-3's design, ``students/feature_drafter.py``): one decoder
+    layer of the teacher's class on the fusion of three of its hidden states and the next token's embedding, the
+    teacher's embedding table and output head shared and frozen (docs/drafters.md)."""
+
+    layers: tuple[int, ...] | None = None
+    """Three indices of the teacher's hidden states (0 the embeddings, i the output of layer i - 1); None takes
+    vLLM's and SGLang's EAGLE-3 default, (2, L // 2, L - 3)."""
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            layers = tuple(self.layers)
+            if len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers):
+                raise ValueError(f"feature_drafter.layers: {self.layers!r}; give three indices of the teacher's "
+                                 "hidden states (low, middle, high), e.g. [2, 16, 29], or leave it out")
+            object.__setattr__(self, "layers", layers)
+
+
+@dataclass(frozen=True)
 class FromTeacherConfig:
     """How a student is cut out of its teacher. Depth: at most one of layers, every, first, last (none keeps every
     layer). Width: any of hidden_size, intermediate_size, num_attention_heads, num_key_value_heads (None keeps
@@ -673,6 +692,10 @@ class StudentSpec:
     init_from_teacher: FromTeacherConfig | None = None
     """Build the student from the teacher's own weights instead: kept layers (DistilBERT) and width pruned by
     activation importance (Minitron); Llama and Qwen2 teachers. Not with model or init."""
+    feature_drafter: FeatureDrafterConfig | None = None
+    """Build the student as a drafter that reads the teacher's hidden states (EAGLE-3's one layer, sharing the
+    teacher's embedding and head; docs/drafters.md), e.g. {} for the default layers. Not with model, init,
+    init_from_teacher, peft or quantize."""
     quantize: QuantizeConfig | None = None
     """Train the student fake-quantised in a low-bit scheme {scheme, group_size} and export it as real low-bit
     weights (quantization-aware distillation; docs/quantized_students.md); None trains and exports it as it is."""
@@ -685,6 +708,15 @@ class StudentSpec:
         if self.init_from_teacher is not None and (self.model is not None or self.init):
             raise ValueError("init_from_teacher builds the student itself; drop model and init from this student "
                              "(the sizes go in init_from_teacher: hidden_size, intermediate_size, ...)")
+        if isinstance(self.feature_drafter, Mapping):
+            object.__setattr__(self, "feature_drafter", build(FeatureDrafterConfig, self.feature_drafter,
+                                                              "feature_drafter."))
+        if self.feature_drafter is not None:
+            others = [name for name in ("model", "init", "init_from_teacher", "peft", "quantize")
+                      if getattr(self, name)]
+            if others:
+                raise ValueError(f"students[{self.name}].feature_drafter builds the student on its teacher; drop "
+                                 f"{', '.join(others)} from this student")
         if isinstance(self.peft, Mapping):
             object.__setattr__(self, "peft", build(AdapterConfig, self.peft, "peft."))
         if isinstance(self.quantize, Mapping):

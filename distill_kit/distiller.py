@@ -24,6 +24,7 @@ The loop around the step (accumulation, records, checkpoints and resume, signals
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -172,8 +173,25 @@ class Distiller(Trainer):
         calibration batches)."""
         if spec.model is not None:
             return spec
+        if spec.feature_drafter is not None:
+            return dataclasses.replace(spec, model=in_dtype(self._feature_drafter(spec), self.training.dtype),
+                                       feature_drafter=None)
         fresh = fresh_student(self.plan.student_configs[spec.name], self.training.seed)  # fp32, as the CLI saves it
         return dataclasses.replace(spec, model=in_dtype(fresh, self.training.dtype), init={})
+
+    def _feature_drafter(self, spec: StudentSpec) -> nn.Module:
+        """EAGLE-3's drafter on the run's one teacher (the plan checked it runs in-process with hidden states): built
+        on a whole copy of the teacher loaded here, of which it keeps the embedding table and head (frozen), so
+        that a ZeRO-3 teacher's partitioned weights are never what it shares. Seeded by ``training.seed``."""
+        from transformers import AutoModelForCausalLM
+
+        from distill_kit.students.feature_drafter import FeatureDrafter
+
+        source = self.plan.teachers[0].model
+        teacher = (copy.deepcopy(source) if isinstance(source, nn.Module) else
+                   AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
+        torch.manual_seed(self.training.seed)
+        return FeatureDrafter(teacher, layers=spec.feature_drafter.layers)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
@@ -298,7 +316,12 @@ class Distiller(Trainer):
         peers = {} if len(self.teachers) else {n: self._forward(batch, s) for n, s in self.students.items()}
         losses = {}
         for name, student in self.students.items():
-            student_out = peers[name] if peers else self._forward(batch, student)
+            if peers:
+                student_out = peers[name]
+            elif student.reads_teacher_features:  # a feature-reading drafter: the teacher's hidden states in
+                student_out = student.forward(batch, teacher_out)
+            else:
+                student_out = self._forward(batch, student)
             target = teacher_out if len(self.teachers) else tuple(_detached(o) for n, o in peers.items() if n != name)
             loss = self._loss(student_out, target, batch, student)
             student.engine.backward(nonfinite.poison_if_not_finite(loss.total))
@@ -341,7 +364,9 @@ class Distiller(Trainer):
         server: top-k targets), whose run reports each student's own perplexity only."""
         if not len(self.teachers):
             raise ConfigError("evaluate() compares students with a teacher, and this run has none")
-        forwards = {student.key or "student": partial(self._forward, student=student)
+        forwards = {student.key or "student": (  # a feature-reading drafter: one more teacher forward a batch
+            (lambda batch, student=student: student.forward(batch, self.teacher_forward(batch)))
+            if student.reads_teacher_features else partial(self._forward, student=student))
                     for student in self.students.values()}
         engines = self.engines().values()
         for engine in engines:

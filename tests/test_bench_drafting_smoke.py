@@ -19,12 +19,15 @@ def test_smoke(tmp_path):
     gamma, new = 3, 14
     bench_drafting.main(["--pair", "tiny", "--device", "cpu", "--dtype", "fp32", "--gamma", str(gamma), "--new",
                          str(new), "--prompt", "8", "--repeats", "1", "--batch", "1", "2", "--tau", "2.0",
+                         "--policies", "never", "model", "always",
                          "--out", str(tmp_path)])
     result = json.loads((tmp_path / "bench_drafting.json").read_text())
     for batch in ("1", "2"):
         figures = result["latency"][batch]
-        assert min(figures["target_step_s"], figures["target_verify_s"], figures["drafter_step_s"]) > 0
+        assert min(figures["target_step_s"], figures["target_verify_s"], figures["drafter_step_s"],
+                   figures["feature_drafter_step_s"]) > 0
         assert figures["predicted_speedup"]["2.0"] > 0
+    assert result["agreement"]["fp32"]["agree"] == 1.0  # float32 at these shapes: no near-tie flips
     runs = result["end_to_end"]
     assert all(runs[p]["same_tokens_as_target"] for p in ("never", "model", "always"))
     assert runs["never"]["tau"] == 1.0 and runs["never"]["rounds"] == new

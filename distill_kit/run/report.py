@@ -76,13 +76,15 @@ def reward_summary(history: Sequence[Mapping[str, float]]) -> dict[str, Any]:
             for key in REWARD_FIGURES if key in rows[0]}
 
 
-def serve_commands(teacher: str, drafter: str | Path, gamma: int) -> dict[str, str]:
+def serve_commands(teacher: str, drafter: str | Path, gamma: int, method: str = "draft_model") -> dict[str, str]:
     """How vLLM and SGLang serve ``teacher`` with the exported student ``drafter`` as its draft model, ``gamma`` drafts
     a round (flags read in their sources: vLLM's ``vllm/config/speculative.py`` SpeculativeConfig, method
-    ``draft_model``; SGLang's ``server_args.py``, algorithm ``STANDALONE``; docs/drafters.md#serving)."""
-    spec = json.dumps({"model": str(drafter), "num_speculative_tokens": gamma, "method": "draft_model"})
+    ``draft_model``, or ``eagle3`` for a feature-reading drafter; SGLang's ``server_args.py``, algorithm
+    ``STANDALONE`` or ``EAGLE3``; docs/drafters.md#serving)."""
+    spec = json.dumps({"model": str(drafter), "num_speculative_tokens": gamma, "method": method})
+    algorithm = "EAGLE3" if method == "eagle3" else "STANDALONE"
     return {"vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
-            "sglang": f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm STANDALONE "
+            "sglang": f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm {algorithm} "
                       f"--speculative-draft-model-path {drafter} --speculative-num-steps {gamma} "
                       f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma + 1}"}
 
@@ -95,7 +97,8 @@ def add_drafting(summary: Mapping[str, Any], teacher: Mapping[str, Any] | None, 
     for name, row in summary["students"].items():
         if "speculative_tau" in row:
             row["drafts_for"] = {k: teacher.get(k) for k in ("name", "model", "sha256")}
-            row["serve"] = serve_commands(str(teacher.get("model")), students_dir / name, row["speculative_gamma"])
+            row["serve"] = serve_commands(str(teacher.get("model")), students_dir / name, row["speculative_gamma"],
+                                          row.get("speculative_method", "draft_model"))
 
 
 def across_tokenizers(final: Mapping[str, Mapping[str, float]]) -> bool:

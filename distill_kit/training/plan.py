@@ -206,6 +206,7 @@ def make_plan(
             problems += [f"students[{spec.name}].quantize: {problem}" for problem in quantize.problems(
                 spec.quantize, student_configs[spec.name], zero_stage=zero_stage(student_ds[spec.name]),
                 peft=spec.peft is not None, module=spec.model if isinstance(spec.model, nn.Module) else None)]
+    problems += feature_drafter_problems(students, teachers, cards, training, combine)
     speculative = speculative if speculative is not None and speculative.on else None
     if speculative is not None:
         problems += drafter_problems(students, teachers, cards, student_configs, vocab_map)
@@ -257,6 +258,33 @@ def drafter_problems(students: Sequence[StudentSpec], teachers: Sequence[Teacher
                             f"{lead.name!r} of {card.vocab_size}: a drafter's token ids must be its target's, row for "
                             "row. Build the student with the teacher's "
                             "vocab_size (init, init_from_teacher), or drop eval.speculative")
+    return problems
+
+
+def feature_drafter_problems(students: Sequence[StudentSpec], teachers: Sequence[TeacherSpec],
+                             cards: Mapping[str, TeacherCard], training: TrainingConfig, combine: str) -> list[str]:
+    """A feature-reading drafter (``students[i].feature_drafter``) reads one teacher's hidden states at every
+    position as its input, and shares that teacher's embedding and head: the teacher must run in-process with its
+    hidden states; its drafts need the teacher's features, so it cannot sample alone (on-policy)."""
+    readers = [spec.name for spec in students if spec.feature_drafter is not None]
+    if not readers:
+        return []
+    key = f"students {readers}: feature_drafter"
+    if len(teachers) != 1:
+        return [f"{key} reads one teacher's hidden states, and this run has {len(teachers)} teachers: give exactly "
+                "one teacher (the model it drafts for), or drop feature_drafter"]
+    spec = teachers[0]
+    card = cards[spec.name]
+    problems = []
+    if not card.dense or HIDDEN_STATES not in card.outputs or card.config is None:
+        problems.append(f"{key}: teacher {spec.name!r} (a {card.kind} teacher) cannot give its hidden states at "
+                        "every position (a captured store or a server returns top-k targets): the drafter reads "
+                        "them as its input. Use a teacher that runs in-process (kind: engine), or a student that "
+                        "does not read features (model, init, init_from_teacher)")
+    if training.on_policy.fraction > 0 and training.on_policy.sampler == "student":
+        problems.append(f"{key}: a feature-reading drafter cannot sample on its own (each draft reads the "
+                        "teacher's features of the text before it), so it cannot be training.on_policy's sampler: "
+                        "train it off-policy (on_policy.fraction: 0), or use sampler: teacher")
     return problems
 
 

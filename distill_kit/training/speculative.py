@@ -79,6 +79,27 @@ def _logits(model: nn.Module, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return model(input_ids=ids.unsqueeze(0)).logits[0, :, :vocab].float()
 
 
+def reads_features(drafter: nn.Module) -> bool:
+    """A drafter that reads its target's hidden states (``students/feature_drafter.py``: EAGLE-3's design)."""
+    return bool(getattr(drafter, "reads_teacher_features", False))
+
+
+def _feature_steps(target: nn.Module, drafter: nn.Module, ids: torch.Tensor, vocab: int):
+    """A round's draft steps of a feature-reading drafter on the verified text ``ids``: the first reads the
+    target's features of the verified prefix (one target forward with its hidden states), each later one the
+    drafter's own previous hidden state in their place (EAGLE). Uncached, as the rest of the loop: each step is a
+    forward over the whole row. Returns ``step(row) -> logits`` of the row's next token."""
+    features = drafter.teacher_features(target(input_ids=ids.unsqueeze(0), output_hidden_states=True).hidden_states)
+
+    def step(row: torch.Tensor) -> torch.Tensor:
+        nonlocal features
+        out = drafter(input_ids=row.unsqueeze(0), features=features)
+        features = torch.cat([features, out.hidden[:, -1:]], dim=1)  # the next position's stand-in for the target
+        return out.logits[0, -1, :vocab].float()
+
+    return step
+
+
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """``target_logits`` ``(gamma + 1, V)`` at the positions that predict each draft and the token after them:
     (drafts kept, the target's own next token)."""
@@ -129,8 +150,10 @@ def speculative_decode(target: nn.Module, drafter: nn.Module, prompt: torch.Tens
     accepted: list[int] = []
     while len(out) < max_new_tokens and not (eos_token_id is not None and eos_token_id in out):
         drafts, q_rows, row = [], [], ids
+        draft_step = _feature_steps(target, drafter, ids, vocab) if reads_features(drafter) else (
+            lambda row: _logits(drafter, row, vocab)[-1])
         for _ in range(gamma):
-            logits = _logits(drafter, row, vocab)[-1]
+            logits = draft_step(row)
             if mode == "greedy":
                 token = int(logits.argmax())
             else:
@@ -173,21 +196,53 @@ def greedy_rounds(matches: Sequence[bool], gamma: int, max_new_tokens: int) -> l
 
 @torch.no_grad()
 def greedy_accepted(target: nn.Module, drafter: nn.Module, prompt: torch.Tensor, *, gamma: int,
-                    max_new_tokens: int, vocab: int | None = None) -> list[int]:
+                    max_new_tokens: int, vocab: int | None = None, text: torch.Tensor | None = None) -> list[int]:
     """:func:`speculative_decode`'s accepted counts in greedy mode without its loop: the target's greedy tokens (its
     own decode loop with a KV cache), then one drafter forward over them. No end token stops it (as the loop's
     ``eos_token_id`` None), and ``gamma`` tokens more than ``max_new_tokens`` are decoded so that the last round's
     drafts are all judged, as the loop judges them. Where two logits tie to float rounding, a cached step and the
-    loop's uncached forward may pick different argmaxes: the figures are the same up to such ties."""
+    loop's uncached forward may pick different argmaxes: the figures are the same up to such ties. ``text``: the
+    prompt and those tokens when already decoded (several drafters measured on one target)."""
     vocab = vocab or min(target.config.vocab_size, drafter.config.vocab_size)
-    out = target(input_ids=prompt.unsqueeze(0), use_cache=True)
-    cache, tokens = out.past_key_values, [int(out.logits[0, -1, :vocab].argmax())]
-    while len(tokens) < max_new_tokens + gamma:
-        out = target(input_ids=prompt.new_tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
-        tokens.append(int(out.logits[0, -1, :vocab].argmax()))
-    text = torch.cat([prompt, prompt.new_tensor(tokens)])
+    if text is None:
+        text = target_greedy_text(target, prompt, max_new_tokens + gamma, vocab)
+    if reads_features(drafter):
+        return feature_greedy_rounds(target, drafter, text, len(prompt), gamma=gamma, max_new_tokens=max_new_tokens,
+                                     vocab=vocab)
     drafts = _logits(drafter, text[:-1], vocab)[len(prompt) - 1:].argmax(-1)
     return greedy_rounds((drafts == text[len(prompt):]).tolist(), gamma, max_new_tokens)
+
+
+@torch.no_grad()
+def target_greedy_text(target: nn.Module, prompt: torch.Tensor, new_tokens: int, vocab: int) -> torch.Tensor:
+    """``prompt`` and the target's next ``new_tokens`` greedy tokens (its own decode loop with a KV cache)."""
+    out = target(input_ids=prompt.unsqueeze(0), use_cache=True)
+    cache, tokens = out.past_key_values, [int(out.logits[0, -1, :vocab].argmax())]
+    while len(tokens) < new_tokens:
+        out = target(input_ids=prompt.new_tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1, :vocab].argmax()))
+    return torch.cat([prompt, prompt.new_tensor(tokens)])
+
+
+@torch.no_grad()
+def feature_greedy_rounds(target: nn.Module, drafter: nn.Module, text: torch.Tensor, prompt_length: int, *,
+                          gamma: int, max_new_tokens: int, vocab: int) -> list[int]:
+    """Greedy rounds of a feature-reading drafter over the target's greedy ``text`` (prompt + its tokens), from one
+    target forward and one ``gamma``-step unroll (``FeatureDrafter.unrolled``). A round whose verified text ends
+    at index ``j`` drafts token ``j + m`` at draft step ``m``, position ``j + m - 1``; while its drafts are kept
+    they are the text's tokens, so the unroll fed the text is what the loop computes, up to its first rejection."""
+    hidden_states = target(input_ids=text.unsqueeze(0), output_hidden_states=True).hidden_states
+    steps = drafter.unrolled(text.unsqueeze(0), hidden_states, steps=gamma)
+    predicted = torch.stack([step.logits[0, :, :vocab].argmax(-1) for step in steps])  # (gamma, T)
+    rounds, last = [], prompt_length - 1  # index of the last verified token
+    while last - (prompt_length - 1) < max_new_tokens:
+        kept = 0
+        while kept < gamma and last + kept + 1 < len(text) and int(predicted[kept, last + kept]) == int(
+                text[last + kept + 1]):
+            kept += 1
+        rounds.append(kept)
+        last += kept + 1
+    return rounds
 
 
 def acceptance_figures(accepted: Sequence[int], gamma: int) -> dict[str, Any]:
@@ -236,7 +291,27 @@ def measure_latencies(target: nn.Module, drafter: nn.Module, prompt: torch.Tenso
     """The three latencies the speed-up is predicted from, measured on the models' device."""
     return {"target_step_s": forward_latency(target, prompt, 1, repeats),
             "target_verify_s": forward_latency(target, prompt, gamma + 1, repeats),
-            "drafter_step_s": forward_latency(drafter, prompt, 1, repeats)}
+            "drafter_step_s": (feature_step_latency(drafter, prompt, repeats) if reads_features(drafter) else
+                               forward_latency(drafter, prompt, 1, repeats))}
+
+
+@torch.no_grad()
+def feature_step_latency(drafter: nn.Module, prompt: torch.Tensor, repeats: int = 5) -> float:
+    """Seconds of a feature-reading drafter's decode step (one token and one feature after ``prompt`` in its
+    KV cache; the features' values do not change the time)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    rows = prompt if prompt.dim() == 2 else prompt.unsqueeze(0)
+    features = torch.zeros(*rows.shape, drafter.hidden_size, dtype=drafter.fc.weight.dtype, device=rows.device)
+    drafter(input_ids=rows, features=features, cache=cache)
+    new, feature = rows[:, :1], features[:, :1]
+
+    def step() -> None:
+        drafter(input_ids=new, features=feature, cache=cache)
+        cache.crop(-1)
+
+    return _timed(step, repeats, prompt.device)
 
 
 def predicted_speedup(tau: float, gamma: int, latencies: Mapping[str, float]) -> float:
@@ -253,15 +328,20 @@ def evaluate_drafters(target: nn.Module, drafters: Mapping[str, nn.Module], prom
     """Each drafter's figures over ``prompts``: tau, rounds, acceptance by position, the latencies measured on the
     first prompt and the speed-up they predict. Each drafter draws from its own generator seeded ``seed``."""
     results = {}
+    texts: dict[int, torch.Tensor] = {}  # greedy: the target's text of each prompt, decoded once for every drafter
     for name, drafter in drafters.items():
         was_training = drafter.training
         drafter.eval()
         try:
             rng = TorchRandomness(seed)
             accepted: list[int] = []
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 if mode == "greedy" and eos_token_id is None:  # the same rounds, one drafter forward a prompt
-                    accepted += greedy_accepted(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens)
+                    vocab = min(target.config.vocab_size, drafter.config.vocab_size)
+                    if i not in texts:
+                        texts[i] = target_greedy_text(target, prompt, max_new_tokens + gamma, vocab)
+                    accepted += greedy_accepted(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens,
+                                                vocab=vocab, text=texts[i])
                     continue
                 accepted += speculative_decode(target, drafter, prompt, gamma=gamma, max_new_tokens=max_new_tokens,
                                                mode=mode, temperature=temperature, eos_token_id=eos_token_id,
@@ -269,7 +349,8 @@ def evaluate_drafters(target: nn.Module, drafters: Mapping[str, nn.Module], prom
             figures = acceptance_figures(accepted, gamma)
             latencies = measure_latencies(target, drafter, prompts[0], gamma, latency_repeats)
             figures |= latencies | {"predicted_speedup": predicted_speedup(figures["tau"], gamma, latencies),
-                                    "gamma": gamma, "mode": mode}
+                                    "gamma": gamma, "mode": mode,
+                                    "method": "eagle3" if reads_features(drafter) else "draft_model"}
         finally:
             drafter.train(was_training)
         results[name] = figures

@@ -60,6 +60,12 @@ class Student:
         """The student runs without its output head; logit losses apply it chunk by chunk (``losses/fused.py``)."""
 
     @property
+    def reads_teacher_features(self) -> bool:
+        """A feature-reading drafter (``students/feature_drafter.py``): its forward takes the teacher's hidden
+        states (:meth:`forward`'s ``teacher_out``), and it asks the teacher for them (:meth:`inputs`)."""
+        return bool(getattr(self.model, "reads_teacher_features", False))
+
+    @property
     def model(self) -> nn.Module:
         """The bare model (no engine, no loss parameters), e.g. for export or sampling."""
         return self.engine.module.student
@@ -71,15 +77,31 @@ class Student:
         recompile per layer (the cache's per-layer state is guarded on), which past dynamo's limit of 8 leaves the
         remaining layers eager."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False,
-                  "output_hidden_states": self.loss.needs_hidden_states,
+                  "output_hidden_states": self.loss.needs_hidden_states or self.reads_teacher_features,
                   "output_attentions": self.loss.needs_attentions}
         return inputs | packed_model_inputs(batch)  # packed chat rows: position_ids, no 2-D mask, no cache
 
-    def forward(self, batch: Batch) -> Any:
-        """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read."""
-        return self.engine(**self.inputs(batch), head=not self.fused_head)
+    def forward(self, batch: Batch, teacher_out: Any = None) -> Any:
+        """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read. A
+        feature-reading drafter reads ``teacher_out``'s hidden states (the step's one teacher forward)."""
+        inputs = self.inputs(batch)
+        if self.reads_teacher_features:
+            hidden_states = getattr(teacher_out, "hidden_states", None)
+            if hidden_states is None:
+                raise ValueError(f"student {self.name!r} reads its teacher's hidden states, and the teacher's output "
+                                 "has none: call forward(batch, teacher_out) with a forward that asked for them")
+            inputs["teacher_hidden_states"] = hidden_states
+        return self.engine(**inputs, head=not self.fused_head)
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> Path:
-        """A Hugging Face model directory (a PEFT student's: its adapter folder, and ``merged`` on request)."""
+        """A Hugging Face model directory (a PEFT student's: its adapter folder, and ``merged`` on request; a
+        feature-reading drafter's: EAGLE-3's folder, ``FeatureDrafter.save_pretrained``)."""
+        if self.reads_teacher_features:  # ZeRO 0-2 (the students' default): whole on every rank
+            from distill_kit.engines import distributed
+
+            if distributed.is_main():
+                self.model.save_pretrained(directory, tokenizer)
+            distributed.barrier()
+            return Path(directory)
         return export_student(self.model, directory, tokenizer, merged=self.export_merged)
 
