@@ -1,4 +1,4 @@
-"""What distillation adds to a quantized student: the teacher, PTQ, QAT without a teacher, and QAD, on the CPU.
+"""What distillation adds to a quantized student: the teacher, PTQ, QAT without a teacher, and QAD (CPU or one GPU).
 
 Four rows per task, each scored on the same held-out data, the quantized ones as their *exported* low-bit models
 (``engines/quantize.py``: what would be served):
@@ -28,8 +28,8 @@ blocks), the QAD setting: the student re-learns the function the teacher has, on
 teach the data (QAT then improves on the teacher's own perplexity by fine-tuning, not by recovering it).
 
 The grid (tasks x ``--schemes`` x ``--seeds``) runs one process per cell, ``--jobs`` at a time
-(``OMP_NUM_THREADS=1`` each); ``--device cuda`` trains on the GPU (the exported models are scored on the CPU
-either way, the same code)::
+(``OMP_NUM_THREADS=1`` each); ``--device cuda`` trains and scores on the GPU (a scoring that fails there is redone
+on the CPU, and the cell says so). ``--sweep-lrs`` adds the first cell at other learning rates::
 
     OMP_NUM_THREADS=1 python benchmarks/qad_quality.py --tasks default arithmetic --seeds 0 1 2 \\
         --schemes int4_weight_only int8_dynamic_act_int4_weight --jobs 5 --out runs/qad_quality
@@ -121,17 +121,42 @@ def bins_moved(model, ptq_values: dict[str, Any]) -> float:
     return changed / sum(ptq.numel() for ptq in ptq_values.values())
 
 
-def run_cell(task: str, scheme: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One cell of the grid: QAT and QAD trained in one run, then the four rows scored as served."""
+def score(teacher_dir: Path, exported: dict[str, Path], spec: Any, heldout: Any, checker: Any,
+          device: Any) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """The four rows on the held-out data, on ``device``: the teacher, PTQ (the teacher converted with the scheme's
+    config) and the two exported students loaded back as served (low-bit weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig
-    from distill_kit.config import DeepSpeedSettings, QuantizeConfig
     from distill_kit.engines import quantize
     from distill_kit.tasks import arithmetic
     from distill_kit.tasks.evaluate import accuracy, checked_answers
     from distill_kit.training import evaluation
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).to(device).eval()
+    models = {"ptq": quantize.convert(teacher, spec),
+              **{name: AutoModelForCausalLM.from_pretrained(path, device_map=device.type).eval()
+                 for name, path in exported.items()}}
+    with torch.no_grad(), quantize.unpatched_linear():
+        figures = evaluation.evaluate_students({n: forward(m) for n, m in models.items()}, forward(teacher), heldout,
+                                               device)
+        rows = {name: {key: figures[name][key] for key in ("perplexity", "mean_kl", "top1_agreement")}
+                for name in ("ptq", "qat", "qad")}
+        rows["teacher"] = {"perplexity": figures["teacher"]["perplexity"], "evaluated_on": device.type}
+        if checker is not None:
+            tokenizer, items = checker
+            for name, model in {"teacher": teacher, **models}.items():
+                rows[name]["exact_match"] = accuracy(checked_answers(model, tokenizer, items, 32, arithmetic.check))
+    return rows, models
+
+
+def run_cell(task: str, scheme: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One cell of the grid: QAT and QAD trained in one run, then the four rows scored as served."""
+    import torch
+
+    from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig
+    from distill_kit.config import DeepSpeedSettings, QuantizeConfig
+    from distill_kit.engines import quantize
     from distill_kit.training.plan import DataFacts
 
     torch.manual_seed(seed)
@@ -152,20 +177,14 @@ def run_cell(task: str, scheme: str, seed: int, args: argparse.Namespace, out: P
     exported = distiller.export(out / "students")
     losses = {name: [r[f"{name}/loss"] for r in distiller.history if f"{name}/loss" in r] for name in ("qad", "qat")}
     del distiller
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    models = {"ptq": quantize.convert(teacher, spec),
-              **{name: AutoModelForCausalLM.from_pretrained(path).eval() for name, path in exported.items()}}
-    cpu = torch.device("cpu")
-    with torch.no_grad(), quantize.unpatched_linear():
-        figures = evaluation.evaluate_students({n: forward(m) for n, m in models.items()}, forward(teacher), heldout,
-                                               cpu)
-        rows = {name: {key: figures[name][key] for key in ("perplexity", "mean_kl", "top1_agreement")}
-                for name in ("ptq", "qat", "qad")}
-        rows["teacher"] = {"perplexity": figures["teacher"]["perplexity"]}
-        if checker is not None:
-            tokenizer, items = checker
-            for name, model in {"teacher": teacher, **models}.items():
-                rows[name]["exact_match"] = accuracy(checked_answers(model, tokenizer, items, 32, arithmetic.check))
+    try:
+        rows, models = score(teacher_dir, exported, spec, heldout, checker, torch.device(args.device))
+    except Exception as err:  # noqa: BLE001 - a GPU evaluation that fails is redone on the CPU, and says so
+        if args.device == "cpu":
+            raise
+        logging.warning("evaluation on %s failed (%r): evaluating on the CPU", args.device, err)
+        rows, models = score(teacher_dir, exported, spec, heldout, checker, torch.device("cpu"))
+        rows["teacher"]["evaluated_on"] = "cpu (the GPU evaluation failed)"
     ptq_values = int_values(models["ptq"])
     for name in ("qat", "qad"):
         rows[name].update(bins_moved=bins_moved(models[name], ptq_values), first_loss=losses[name][0],
@@ -228,19 +247,25 @@ def table(name: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cell_name(task: str, scheme: str, seed: int) -> str:
-    return f"{task}_{scheme}_seed{seed}"
+Cell = tuple[str, str, int, float | None]
+"""(task, scheme, seed, learning rate): None, the grid's ``--lr``; a number, a ``--sweep-lrs`` cell."""
 
 
-def cell_command(task: str, scheme: str, seed: int, args: argparse.Namespace) -> list[str]:
+def cell_name(task: str, scheme: str, seed: int, lr: float | None = None) -> str:
+    return f"{task}_{scheme}_seed{seed}" + (f"_lr{lr:g}" if lr is not None else "")
+
+
+def cell_command(cell: Cell, args: argparse.Namespace) -> list[str]:
     """This script, run for one cell, with the grid's sizes."""
     sizes = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
-             ("steps", "lr", "micro_batch", "group_size", "max_train", "max_heldout", "labelled", "train_slice")]
+             ("steps", "micro_batch", "group_size", "max_train", "max_heldout", "labelled", "train_slice")]
+    task, scheme, seed, lr = cell
     return [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--work", str(args.work),
-            "--device", args.device, *sizes, "--cell", task, scheme, str(seed)]
+            "--device", args.device, *sizes, f"--lr={args.lr if lr is None else lr}",
+            "--cell", task, scheme, str(seed), cell_name(*cell)]
 
 
-def run_cells(cells: list[tuple[str, str, int]], args: argparse.Namespace) -> list[str]:
+def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[str]:
     """Every cell not already written, ``--jobs`` processes at a time, one thread each (a cell's log beside its
     result); returns the cells that failed (the others run on)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -248,10 +273,10 @@ def run_cells(cells: list[tuple[str, str, int]], args: argparse.Namespace) -> li
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     todo = [c for c in cells if not (args.out / "cells" / f"{cell_name(*c)}.json").exists()]
 
-    def one(cell: tuple[str, str, int]) -> int:
+    def one(cell: Cell) -> int:
         log = args.work / f"{cell_name(*cell)}.log"
         with open(log, "w") as handle:
-            code = subprocess.call(cell_command(*cell, args), env=env, stdout=handle, stderr=subprocess.STDOUT,
+            code = subprocess.call(cell_command(cell, args), env=env, stdout=handle, stderr=subprocess.STDOUT,
                                    cwd=ROOT)
         print(f"{cell_name(*cell)}: {'done' if code == 0 else f'FAILED (exit {code}), log {log}'}", flush=True)
         return code
@@ -274,8 +299,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=64,
                         help="64: the largest group dividing both teachers' widths (default 256, 704; arithmetic "
                              "128, 384)")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--train-slice", default="teacher", choices=["teacher", "unseen"],
                         help="default task: the teacher's own training text, or the slice it never saw")
@@ -284,7 +309,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--labelled", type=int, default=2000, help="arithmetic: labelled answers trained on")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once, one process (one thread) each")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the students train")
-    parser.add_argument("--cell", nargs=3, metavar=("TASK", "SCHEME", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="run no cell: summarise the cells already under <out>/cells (a grid cut short)")
+    parser.add_argument("--sweep-lrs", nargs="*", type=float, default=[],
+                        help="also train the first task, scheme and seed at these rates (one cell each: a "
+                             "learning-rate check beside the grid, reported apart from it)")
+    parser.add_argument("--cell", nargs=4, metavar=("TASK", "SCHEME", "SEED", "NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.work = args.work or args.out / "work"
     return args
@@ -293,10 +323,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     if args.cell:  # a child: one cell, its JSON written last (a cell file means a finished cell)
-        task, scheme, seed = args.cell[0], args.cell[1], int(args.cell[2])
+        task, scheme, seed, name = args.cell[0], args.cell[1], int(args.cell[2]), args.cell[3]
         logging.basicConfig(level=logging.WARNING)
-        rows = run_cell(task, scheme, seed, args, args.work / cell_name(task, scheme, seed))
-        path = args.out / "cells" / f"{cell_name(task, scheme, seed)}.json"
+        rows = run_cell(task, scheme, seed, args, args.work / name)
+        rows["lr"] = args.lr
+        path = args.out / "cells" / f"{name}.json"
         path.write_text(json.dumps(rows, indent=2))
         return rows
     if (args.out / "qad_quality.json").exists():
@@ -309,10 +340,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / "cells").mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if "default" in args.tasks:  # tokenise once (the datasets cache), not once a cell
-        default_data(args, args.work / "tokenise", 0)
-    cells = [(task, scheme, seed) for task in args.tasks for scheme in args.schemes for seed in args.seeds]
-    failed = run_cells(cells, args)
+    cells: list[Cell] = [(task, scheme, seed, None) for task in args.tasks for scheme in args.schemes
+                         for seed in args.seeds]
+    cells[1:1] = [(args.tasks[0], args.schemes[0], args.seeds[0], lr) for lr in args.sweep_lrs]  # early: few
+    if args.summarize_only:
+        failed = [cell_name(*c) for c in cells if not (args.out / "cells" / f"{cell_name(*c)}.json").exists()]
+    else:
+        if "default" in args.tasks:  # tokenise once (the datasets cache), not once a cell
+            default_data(args, args.work / "tokenise", 0)
+        failed = run_cells(cells, args)
     results: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                         if k != "cell"}, "grids": {}, "failed_cells": failed}
     for task in args.tasks:
@@ -324,10 +360,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             results["grids"][name] = {"per_seed": per_seed, "summary": summarize(per_seed)}
             print(table(name, results["grids"][name]["summary"]), flush=True)
+    sweep = {}
+    for cell in cells:
+        if cell[3] is not None and (path := args.out / "cells" / f"{cell_name(*cell)}.json").exists():
+            rows = json.loads(path.read_text())
+            sweep[cell[3]] = rows
+            share = recovered(rows)
+            print(f"lr {cell[3]:g} ({cell_name(*cell[:3])}): " + "  ".join(
+                f"{row} perplexity {rows[row]['perplexity']:.3f} KL {rows[row]['mean_kl']:.4f} bins moved "
+                f"{rows[row]['bins_moved']:.4f}" for row in ("qat", "qad"))
+                + (f"  QAD recovers {share:.0%}" if share is not None else ""), flush=True)
+    if sweep:
+        main_cell = args.out / "cells" / f"{cell_name(*cells[0][:3])}.json"
+        if main_cell.exists():
+            sweep[args.lr] = json.loads(main_cell.read_text())
+        results["lr_sweep"] = {"cell": cell_name(*cells[0][:3]), "by_lr": sweep}
     results["seconds"] = time.perf_counter() - started
     (args.out / "qad_quality.json").write_text(json.dumps(results, indent=2, default=str))
     if failed:
-        raise SystemExit(f"{len(failed)} cell(s) failed: {', '.join(failed)} (the others are in qad_quality.json)")
+        raise SystemExit(f"{len(failed)} cell(s) failed or missing: {', '.join(failed)} (the others are in "
+                         "qad_quality.json)")
     return results
 
 
