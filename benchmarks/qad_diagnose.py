@@ -1,0 +1,135 @@
+"""Why a short QAD barely changes the served model: int4 bin widths against how far training moves a weight.
+
+The exported int4 model changes only where a weight crosses a rounding boundary of its group's grid. This script
+measures, for the embedded default's teacher and a scheme, (1) the bin widths (the group scales torchao's fake
+quantiser computes) and the share of weights within a distance of a boundary, then (2) trains the fake-quantised
+teacher on its own logits (forward KL, the QAD target) in a plain PyTorch loop — AdamW at a constant rate, no
+DeepSpeed, so the step is the optimiser's and nothing else — printing, every ``--every`` steps, the share of
+weights whose int4 value moved and the fake-quantised model's held-out perplexity and KL to the teacher. A
+diagnosis, not the benchmark: the rows the report compares are ``benchmarks/qad_quality.py``'s (exported models,
+the Distiller)::
+
+    OMP_NUM_THREADS=1 python benchmarks/qad_diagnose.py --lr 3e-5 --steps 150 --train-slice teacher
+
+Prints only (a JSON line per evaluation and a summary line first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from distill_kit.config import QuantizeConfig  # noqa: E402
+from distill_kit.engines import quantize  # noqa: E402
+
+
+def grid_values(model: torch.nn.Module, names: list[str], group: int) -> dict[str, torch.Tensor]:
+    """Each fake-quantised layer's weights on its own grid, ``w / scale`` per group, with the scale torchao's
+    weight fake quantiser computes (it stores it on every call)."""
+    out = {}
+    for name in names:
+        layer = model.get_submodule(name)
+        weight = layer.weight.detach()
+        layer.weight_fake_quantizer(weight)
+        scale = layer.weight_fake_quantizer.scale.reshape(weight.shape[0], -1, 1)
+        out[name] = weight.reshape(weight.shape[0], -1, group) / scale
+    return out
+
+
+def int_values(grid: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.round(x).clamp(-8, 7) for name, x in grid.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scheme", default="int4_weight_only", choices=["int4_weight_only",
+                                                                         "int8_dynamic_act_int4_weight"])
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--max-heldout", type=int, default=32)
+    parser.add_argument("--train-slice", default="teacher", choices=["teacher", "unseen"])
+    args = parser.parse_args(argv)
+    import qad_quality
+
+    torch.manual_seed(0)
+    data_args = argparse.Namespace(max_heldout=args.max_heldout, train_slice=args.train_slice, max_train=100_000,
+                                   micro_batch=args.micro_batch)
+    train, heldout, _ = qad_quality.default_data(data_args, Path("/tmp/qad_diagnose"), 0)
+    held = list(heldout)
+    teacher = AutoModelForCausalLM.from_pretrained(qad_quality.TEACHERS["default"], dtype=torch.float32).eval()
+    student = quantize.prepare(copy.deepcopy(teacher), QuantizeConfig(args.scheme, group_size=args.group_size))
+    names = quantize.fake_quantized(student)
+    grid = grid_values(student, names, args.group_size)
+    start = int_values(grid)
+    widths = torch.cat([layer.weight_fake_quantizer.scale.flatten() for layer in map(student.get_submodule, names)])
+    # distance (in weight units) to the nearest rounding boundary: the half-integers of the grid, |frac(x) - 1/2|;
+    # each group's largest weight sits at +-7.5 by the scale's definition (max |w| / 7.5), its value set by the
+    # clamp to [-8, 7], not by a boundary: left out
+    scales = {n: student.get_submodule(n).weight_fake_quantizer.scale.reshape(x.shape[0], -1, 1)
+              for n, x in grid.items()}
+    distance = torch.cat([((x - torch.floor(x) - 0.5).abs() * scales[n])[x.abs() < 7.5 - 1e-4]
+                          for n, x in grid.items()])
+    magnitude = torch.cat([student.get_submodule(n).weight.detach().abs().flatten() for n in names])
+    print(json.dumps({"bin_width_median": widths.median().item(), "abs_weight_median": magnitude.median().item(),
+                      "share_within": {f"{d:g}": (distance < d).float().mean().item()
+                                       for d in (1e-4, 3e-4, 1e-3, 3e-3)}}), flush=True)
+
+    def evaluate(model: torch.nn.Module) -> tuple[float, float]:
+        nll = kl = count = 0.0
+        with torch.no_grad():
+            for batch in held:
+                ids, labels = batch["input_ids"], batch["labels"][:, 1:]
+                t = teacher(input_ids=ids).logits[:, :-1].log_softmax(-1)
+                s = model(input_ids=ids).logits[:, :-1].log_softmax(-1)
+                mask = labels != -100
+                token_nll = -s.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                nll += token_nll[mask].sum().item()
+                kl += (t.exp() * (t - s)).sum(-1)[mask].sum().item()
+                count += mask.sum().item()
+        return math.exp(nll / count), kl / count
+
+    ppl, kl = evaluate(teacher)
+    print(json.dumps({"row": "teacher", "perplexity": ppl}), flush=True)
+    ppl, kl = evaluate(student)
+    print(json.dumps({"step": 0, "perplexity": ppl, "kl": kl, "bins_moved": 0.0}), flush=True)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
+    batches, started = iter(train), time.perf_counter()
+    for step in range(1, args.steps + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(train)
+            batch = next(batches)
+        with torch.no_grad():
+            target = teacher(input_ids=batch["input_ids"]).logits.log_softmax(-1)
+        logp = student(input_ids=batch["input_ids"]).logits.log_softmax(-1)
+        loss = (target.exp() * (target - logp)).sum(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % args.every == 0 or step == args.steps:
+            now = int_values(grid_values(student, names, args.group_size))
+            moved = sum(int((now[n] != start[n]).sum()) for n in names) / sum(v.numel() for v in start.values())
+            ppl, kl = evaluate(student)
+            print(json.dumps({"step": step, "loss": loss.item(), "perplexity": ppl, "kl": kl, "bins_moved": moved,
+                              "seconds": round(time.perf_counter() - started)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
