@@ -10,6 +10,7 @@ diagnosis, not the benchmark: the rows the report compares are ``benchmarks/qad_
 the Distiller)::
 
     OMP_NUM_THREADS=1 python benchmarks/qad_diagnose.py --lr 3e-5 --steps 150 --train-slice teacher
+    OMP_NUM_THREADS=1 python benchmarks/qad_diagnose.py --arithmetic-ptq   # does int4 PTQ cost arithmetic anything?
 
 Prints only (a JSON line per evaluation and a summary line first).
 """
@@ -53,6 +54,29 @@ def int_values(grid: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: torch.round(x).clamp(-8, 7) for name, x in grid.items()}
 
 
+def arithmetic_ptq() -> None:
+    """Whether int4 PTQ costs the arithmetic teacher anything at all: exact match as it is and quantized."""
+    import qad_quality
+    from transformers import AutoTokenizer
+
+    from distill_kit.tasks import arithmetic
+    from distill_kit.tasks.evaluate import accuracy, checked_answers
+
+    directory = qad_quality.TEACHERS["arithmetic"]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    items = list(arithmetic.examples(arithmetic.split_seeds(0)["heldout"], 200))
+    teacher = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        print(json.dumps({"row": "teacher", "exact_match": accuracy(checked_answers(teacher, tokenizer, items, 32,
+                                                                                    arithmetic.check))}), flush=True)
+        for scheme in ("int4_weight_only", "int8_dynamic_act_int4_weight"):
+            for group in (128, 64, 32):
+                model = quantize.convert(teacher, QuantizeConfig(scheme, group_size=group))
+                em = accuracy(checked_answers(model, tokenizer, items, 32, arithmetic.check))
+                print(json.dumps({"row": "ptq", "scheme": scheme, "group_size": group, "exact_match": em}),
+                      flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scheme", default="int4_weight_only", choices=["int4_weight_only",
@@ -64,8 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--max-heldout", type=int, default=32)
     parser.add_argument("--train-slice", default="teacher", choices=["teacher", "unseen"])
+    parser.add_argument("--arithmetic-ptq", action="store_true",
+                        help="instead: the arithmetic teacher's greedy exact match on 200 held-out prompts, as it is "
+                             "and quantized (PTQ) at group sizes 128 (per channel for its 128-wide inputs), 64, 32")
     args = parser.parse_args(argv)
     import qad_quality
+
+    if args.arithmetic_ptq:
+        arithmetic_ptq()
+        return
 
     torch.manual_seed(0)
     data_args = argparse.Namespace(max_heldout=args.max_heldout, train_slice=args.train_slice, max_train=100_000,
