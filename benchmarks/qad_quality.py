@@ -160,7 +160,7 @@ def run_cell(task: str, scheme: str, seed: int, args: argparse.Namespace, out: P
     from distill_kit.training.plan import DataFacts
 
     torch.manual_seed(seed)
-    spec = QuantizeConfig(scheme, group_size=args.group_size)
+    spec = QuantizeConfig(scheme, group_size=args.group_size, learn_scales=args.learn_scales)
     teacher_dir = TEACHERS[task]
     train, heldout, checker = (default_data if task == "default" else arithmetic_data)(args, out, seed)
     started = time.perf_counter()
@@ -247,22 +247,26 @@ def table(name: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-Cell = tuple[str, str, int, float | None]
-"""(task, scheme, seed, learning rate): None, the grid's ``--lr``; a number, a ``--sweep-lrs`` cell."""
+Cell = tuple[str, str, int, float | str | None]
+"""(task, scheme, seed, variant): None, the grid's cell; a number, a ``--sweep-lrs`` cell at that learning rate;
+``"learned"``, a ``--learned-seeds`` cell (the same students with learned int4 scales)."""
 
 
-def cell_name(task: str, scheme: str, seed: int, lr: float | None = None) -> str:
-    return f"{task}_{scheme}_seed{seed}" + (f"_lr{lr:g}" if lr is not None else "")
+def cell_name(task: str, scheme: str, seed: int, variant: float | str | None = None) -> str:
+    suffix = "" if variant is None else "_learned" if variant == "learned" else f"_lr{variant:g}"
+    return f"{task}_{scheme}_seed{seed}{suffix}"
 
 
 def cell_command(cell: Cell, args: argparse.Namespace) -> list[str]:
     """This script, run for one cell, with the grid's sizes."""
     sizes = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
              ("steps", "micro_batch", "group_size", "max_train", "max_heldout", "labelled", "train_slice")]
-    task, scheme, seed, lr = cell
+    task, scheme, seed, variant = cell
+    lr = variant if isinstance(variant, float) else args.lr
+    learned = ["--learn-scales"] if variant == "learned" or args.learn_scales else []
     return [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--work", str(args.work),
-            "--device", args.device, *sizes, f"--lr={args.lr if lr is None else lr}",
-            "--cell", task, scheme, str(seed), cell_name(*cell)]
+            "--device", args.device, *sizes, f"--lr={lr}", *learned, "--cell", task, scheme, str(seed),
+            cell_name(*cell)]
 
 
 def run_cells(cells: list[Cell], args: argparse.Namespace) -> list[str]:
@@ -314,6 +318,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep-lrs", nargs="*", type=float, default=[],
                         help="also train the first task, scheme and seed at these rates (one cell each: a "
                              "learning-rate check beside the grid, reported apart from it)")
+    parser.add_argument("--learn-scales", action="store_true",
+                        help="every student learns its int4 scales (quantize.learn_scales: torchao's range learning)")
+    parser.add_argument("--learned-seeds", nargs="*", type=int, default=[],
+                        help="also train the first task and scheme with learned scales at these seeds (reported "
+                             "apart from the grid, against the same seeds' grid cells)")
     parser.add_argument("--cell", nargs=4, metavar=("TASK", "SCHEME", "SEED", "NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.work = args.work or args.out / "work"
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         task, scheme, seed, name = args.cell[0], args.cell[1], int(args.cell[2]), args.cell[3]
         logging.basicConfig(level=logging.WARNING)
         rows = run_cell(task, scheme, seed, args, args.work / name)
-        rows["lr"] = args.lr
+        rows["lr"], rows["learn_scales"] = args.lr, args.learn_scales
         path = args.out / "cells" / f"{name}.json"
         path.write_text(json.dumps(rows, indent=2))
         return rows
@@ -343,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cells: list[Cell] = [(task, scheme, seed, None) for task in args.tasks for scheme in args.schemes
                          for seed in args.seeds]
     cells[1:1] = [(args.tasks[0], args.schemes[0], args.seeds[0], lr) for lr in args.sweep_lrs]  # early: few
+    first_task = [i for i, c in enumerate(cells) if c[0] == args.tasks[0]][-1] + 1  # after the first task's cells
+    cells[first_task:first_task] = [(args.tasks[0], args.schemes[0], seed, "learned") for seed in args.learned_seeds]
     if args.summarize_only:
         failed = [cell_name(*c) for c in cells if not (args.out / "cells" / f"{cell_name(*c)}.json").exists()]
     else:
@@ -360,9 +371,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             results["grids"][name] = {"per_seed": per_seed, "summary": summarize(per_seed)}
             print(table(name, results["grids"][name]["summary"]), flush=True)
+    learned = {c[2]: json.loads(p.read_text()) for c in cells if c[3] == "learned"
+               and (p := args.out / "cells" / f"{cell_name(*c)}.json").exists()}
+    if learned:
+        name = f"{args.tasks[0]}/{args.schemes[0]}/learned_scales"
+        results["grids"][name] = {"per_seed": learned, "summary": summarize(learned)}
+        print(table(name, results["grids"][name]["summary"]), flush=True)
     sweep = {}
     for cell in cells:
-        if cell[3] is not None and (path := args.out / "cells" / f"{cell_name(*cell)}.json").exists():
+        if isinstance(cell[3], float) and (path := args.out / "cells" / f"{cell_name(*cell)}.json").exists():
             rows = json.loads(path.read_text())
             sweep[cell[3]] = rows
             share = recovered(rows)
