@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--max-heldout", type=int, default=32)
     parser.add_argument("--train-slice", default="teacher", choices=["teacher", "unseen"])
+    parser.add_argument("--learn-scales", action="store_true", help="quantize.learn_scales: learned int4 scales")
     parser.add_argument("--arithmetic-ptq", action="store_true",
                         help="instead: the arithmetic teacher's greedy exact match on 200 held-out prompts, as it is "
                              "and quantized (PTQ) at group sizes 128 (per channel for its 128-wide inputs), 64, 32")
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     train, heldout, _ = qad_quality.default_data(data_args, Path("/tmp/qad_diagnose"), 0)
     held = list(heldout)
     teacher = AutoModelForCausalLM.from_pretrained(qad_quality.TEACHERS["default"], dtype=torch.float32).eval()
-    student = quantize.prepare(copy.deepcopy(teacher), QuantizeConfig(args.scheme, group_size=args.group_size))
+    student = quantize.prepare(copy.deepcopy(teacher), QuantizeConfig(args.scheme, group_size=args.group_size,
+                                                                           learn_scales=args.learn_scales))
     names = quantize.fake_quantized(student)
     grid = grid_values(student, names, args.group_size)
     start = int_values(grid)
