@@ -113,6 +113,10 @@ def test_nvfp4_off_blackwell_and_a_conv1d_student_are_refused_with_what_can_run(
                                   capability=(10, 0))
     assert blackwell == ["mxfp4's block of 32 does not divide the input width of every quantised layer (widths [32, "
                          "48]; [48] are not multiples): choose widths that are multiples of it, or another scheme"]
+    learned_fp8 = quantize.problems(QuantizeConfig("fp8", learn_scales=True), llama_config(), zero_stage=2,
+                                    peft=False, capability=(9, 0))
+    assert learned_fp8 == ["learn_scales trains int4 group scales (torchao's range learning): fp8 has none to learn; "
+                           "use int4_weight_only or int8_dynamic_act_int4_weight, or drop learn_scales"]
     gpt2 = quantize.problems(QuantizeConfig("int4_weight_only", GROUP), gpt2_config(32, 1), zero_stage=2,
                              peft=False, capability=None)
     assert gpt2 == ["model type 'gpt2' computes its projections with Conv1D, and torchao's QAT fake-quantises "
