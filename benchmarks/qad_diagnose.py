@@ -69,12 +69,32 @@ def arithmetic_ptq() -> None:
     with torch.no_grad():
         print(json.dumps({"row": "teacher", "exact_match": accuracy(checked_answers(teacher, tokenizer, items, 32,
                                                                                     arithmetic.check))}), flush=True)
+        # teacher-forced answers: the teacher's margin (top-1 minus top-2 logit) at each answer token, against how
+        # far PTQ moves any logit there: an answer flips only where the move reaches the margin
+        data_args = argparse.Namespace(labelled=8, max_heldout=200, micro_batch=8)
+        _, heldout, _ = qad_quality.arithmetic_data(data_args, Path("/tmp/qad_diagnose_arith"), 0)
+        batches = list(heldout)
+
+        def answer_logits(model: torch.nn.Module) -> torch.Tensor:
+            rows = []
+            for batch in batches:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                rows.append(logits[:, :-1][batch["labels"][:, 1:] != -100])
+            return torch.cat(rows)
+
+        want = answer_logits(teacher)
+        top2 = want.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        print(json.dumps({"row": "teacher", "answer_tokens": len(margin), "min_margin": margin.min().item(),
+                          "median_margin": margin.median().item()}), flush=True)
         for scheme in ("int4_weight_only", "int8_dynamic_act_int4_weight"):
             for group in (128, 64, 32):
                 model = quantize.convert(teacher, QuantizeConfig(scheme, group_size=group))
                 em = accuracy(checked_answers(model, tokenizer, items, 32, arithmetic.check))
-                print(json.dumps({"row": "ptq", "scheme": scheme, "group_size": group, "exact_match": em}),
-                      flush=True)
+                moved = (answer_logits(model) - want).abs().max(dim=-1).values
+                print(json.dumps({"row": "ptq", "scheme": scheme, "group_size": group, "exact_match": em,
+                                  "max_logit_move": moved.max().item(),
+                                  "max_move_over_margin": (moved / margin).max().item()}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learn-scales", action="store_true", help="quantize.learn_scales: learned int4 scales")
     parser.add_argument("--arithmetic-ptq", action="store_true",
                         help="instead: the arithmetic teacher's greedy exact match on 200 held-out prompts, as it is "
-                             "and quantized (PTQ) at group sizes 128 (per channel for its 128-wide inputs), 64, 32")
+                             "and quantized (PTQ) at group sizes 128 (per channel for its 128-wide inputs), 64, 32, "
+                             "and its logit margins on the answers against how far PTQ moves the logits")
     args = parser.parse_args(argv)
     import qad_quality
 
