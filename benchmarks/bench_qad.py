@@ -5,7 +5,9 @@ Two measurements, each against the same thing without quantization:
 1. **The QAD step**: a student distilled from its own bf16 self (the QAD case: the student starts as the teacher,
    same weights), with its decoder layers fake-quantised (``students[i].quantize``) against the same step with no
    fake quantisation; tokens/s (median over the measured steps) and peak device memory. ``--teacher-precision fp8``
-   runs the teacher in FP8 (``training.teacher_precision``) on every row.
+   runs the teacher in FP8 (``training.teacher_precision``) on every row; ``--step-rows`` lists the rows, each
+   ``SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS]]`` (e.g. ``int4_weight_only:fp8``, from an FP8 teacher;
+   ``int4_weight_only:auto:compile``, the student's layers under torch.compile).
 2. **The exported model's decode**: the quantized student converted and written as ``engines/quantize.py`` writes it,
    loaded back with ``from_pretrained``, greedy decode tokens/s at ``--decode-batch`` rows against the bf16 model
    saved the usual way; and each folder's weight bytes on disk.
