@@ -77,11 +77,15 @@ def fresh_memory() -> None:
 
 
 def parse_row(text: str, args: argparse.Namespace) -> dict[str, str | None]:
-    """A step row, ``SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS]]`` (``none``: no fake quantisation), e.g.
-    ``int4_weight_only:fp8`` (from an FP8 teacher), ``int4_weight_only:auto:compile`` (the student's decoder layers
-    under torch.compile, fake-quantised linears included)."""
-    scheme, precision, kernels = (text.split(":") + [args.teacher_precision, args.student_kernels])[:3]
-    return {"scheme": None if scheme == "none" else scheme, "teacher_precision": precision, "student_kernels": kernels}
+    """A step row, ``SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS[:TEACHER_KERNELS]]]`` (``none``: no fake
+    quantisation), e.g. ``int4_weight_only:fp8`` (from an FP8 teacher), ``int4_weight_only:auto:compile`` (the
+    student's decoder layers under torch.compile, fake-quantised linears included), ``none:fp8:auto:none`` (an eager
+    FP8 teacher: no compile before the first step)."""
+    fields = text.split(":")
+    fields += [args.teacher_precision, args.student_kernels, args.teacher_kernels][len(fields) - 1:]
+    scheme, precision, kernels, teacher_kernels = fields[:4]
+    return {"scheme": None if scheme == "none" else scheme, "teacher_precision": precision, "student_kernels": kernels,
+            "teacher_kernels": teacher_kernels}
 
 
 def step(model: torch.nn.Module, row_spec: dict[str, str | None], args: argparse.Namespace) -> dict[str, Any]:
@@ -92,8 +96,10 @@ def step(model: torch.nn.Module, row_spec: dict[str, str | None], args: argparse
     spec = QuantizeConfig(scheme, group_size=args.group_size) if scheme else None
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch, lr=1e-5,
                               dtype=dtype, student_kernels=row_spec["student_kernels"],
+                              teacher_kernels=row_spec["teacher_kernels"],
                               teacher_precision=row_spec["teacher_precision"] if dtype == "bf16" else "auto")
-    label = {"teacher_precision": training.teacher_precision, "student_kernels": training.student_kernels}
+    label = {"teacher_precision": training.teacher_precision, "student_kernels": training.student_kernels,
+             "teacher_kernels": training.teacher_kernels}
     try:
         distiller = Distiller(students=[StudentSpec(name="s", model=copy.deepcopy(model), quantize=spec)],
                               teachers=[TeacherSpec(name="t", model=copy.deepcopy(model))], training=training,
@@ -164,15 +170,16 @@ def decode(model: torch.nn.Module, scheme: str | None, args: argparse.Namespace,
 
 def table(result: dict[str, Any]) -> str:
     lines = ["QAD step (student from its own bf16 self; ratio: against the row without fake quantisation with the "
-             "same teacher precision and student kernels):"]
+             "same teacher precision and kernels):"]
     for row in result["step"]:
-        name = f"{row['scheme']} (teacher {row.get('teacher_precision')}, student {row.get('student_kernels')})"
+        name = (f"{row['scheme']} (teacher {row.get('teacher_precision')}/{row.get('teacher_kernels')}, student "
+                f"{row.get('student_kernels')})")
         if row["status"] != "ok":
             lines.append(f"  {name:60s} {row['status']}")
             continue
         base = next((r for r in result["step"] if r["scheme"] == "none" and r["status"] == "ok"
-                     and r.get("teacher_precision") == row.get("teacher_precision")
-                     and r.get("student_kernels") == row.get("student_kernels")), None)
+                     and all(r.get(k) == row.get(k) for k in ("teacher_precision", "teacher_kernels",
+                                                              "student_kernels"))), None)
         ratio = f"  {row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         memory = f"  peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
         lines.append(f"  {name:60s} {row['tokens_per_s']:12,.0f} tokens/s{ratio}{memory}")
@@ -196,9 +203,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--teacher-precision", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--student-kernels", default="auto", choices=["auto", "none", "liger", "compile"])
+    parser.add_argument("--teacher-kernels", default="auto", choices=["auto", "none", "liger", "compile"])
     parser.add_argument("--step-rows", nargs="+", metavar="SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS]]",
                         help="the step rows, in order (default: none and each of --schemes), e.g. none:fp8 "
-                             "int4_weight_only:fp8 int4_weight_only:auto:compile")
+                             "int4_weight_only:fp8 int4_weight_only:auto:compile; a fourth field sets the teacher's "
+                             "kernels (none:fp8:auto:none: an eager FP8 teacher)")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
