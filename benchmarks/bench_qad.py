@@ -5,7 +5,9 @@ Two measurements, each against the same thing without quantization:
 1. **The QAD step**: a student distilled from its own bf16 self (the QAD case: the student starts as the teacher,
    same weights), with its decoder layers fake-quantised (``students[i].quantize``) against the same step with no
    fake quantisation; tokens/s (median over the measured steps) and peak device memory. ``--teacher-precision fp8``
-   runs the teacher in FP8 (``training.teacher_precision``) on every row.
+   runs the teacher in FP8 (``training.teacher_precision``) on every row; ``--step-rows`` lists the rows, each
+   ``SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS]]`` (e.g. ``int4_weight_only:fp8``, from an FP8 teacher;
+   ``int4_weight_only:auto:compile``, the student's layers under torch.compile).
 2. **The exported model's decode**: the quantized student converted and written as ``engines/quantize.py`` writes it,
    loaded back with ``from_pretrained``, greedy decode tokens/s at ``--decode-batch`` rows against the bf16 model
    saved the usual way; and each folder's weight bytes on disk.
@@ -74,19 +76,36 @@ def fresh_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def step(model: torch.nn.Module, scheme: str | None, args: argparse.Namespace) -> dict[str, Any]:
+def parse_row(text: str, args: argparse.Namespace) -> dict[str, str | None]:
+    """A step row, ``SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS[:TEACHER_KERNELS]]]`` (``none``: no fake
+    quantisation), e.g. ``int4_weight_only:fp8`` (from an FP8 teacher), ``int4_weight_only:auto:compile`` (the
+    student's decoder layers under torch.compile, fake-quantised linears included), ``none:fp8:auto:none`` (an eager
+    FP8 teacher: no compile before the first step)."""
+    fields = text.split(":")
+    fields += [args.teacher_precision, args.student_kernels, args.teacher_kernels][len(fields) - 1:]
+    scheme, precision, kernels, teacher_kernels = fields[:4]
+    return {"scheme": None if scheme == "none" else scheme, "teacher_precision": precision, "student_kernels": kernels,
+            "teacher_kernels": teacher_kernels}
+
+
+def step(model: torch.nn.Module, row_spec: dict[str, str | None], args: argparse.Namespace) -> dict[str, Any]:
     """One row of (1): median tokens/s of a Distiller step, the student its own bf16 teacher's copy."""
     fresh_memory()
+    scheme = row_spec["scheme"]
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
     spec = QuantizeConfig(scheme, group_size=args.group_size) if scheme else None
     training = TrainingConfig(max_steps=args.warmup + args.steps, micro_batch_size=args.micro_batch, lr=1e-5,
-                              dtype=dtype, teacher_precision=args.teacher_precision if dtype == "bf16" else "auto")
+                              dtype=dtype, student_kernels=row_spec["student_kernels"],
+                              teacher_kernels=row_spec["teacher_kernels"],
+                              teacher_precision=row_spec["teacher_precision"] if dtype == "bf16" else "auto")
+    label = {"teacher_precision": training.teacher_precision, "student_kernels": training.student_kernels,
+             "teacher_kernels": training.teacher_kernels}
     try:
         distiller = Distiller(students=[StudentSpec(name="s", model=copy.deepcopy(model), quantize=spec)],
                               teachers=[TeacherSpec(name="t", model=copy.deepcopy(model))], training=training,
                               deepspeed=DeepSpeedSettings(teacher_overrides={"zero_optimization.stage": 0}))
     except ConfigError as err:
-        return {"scheme": scheme or "none", "status": f"refused: {err}"}
+        return {"scheme": scheme or "none", **label, "status": f"refused: {err}"}
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     batches = [{"input_ids": (ids := torch.randint(0, vocab, (args.micro_batch, args.seq_len), generator=generator)),
@@ -101,7 +120,7 @@ def step(model: torch.nn.Module, scheme: str | None, args: argparse.Namespace) -
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     median = statistics.median(seconds[args.warmup:])
-    row = {"scheme": scheme or "none", "status": "ok", "median_step_s": median,
+    row = {"scheme": scheme or "none", **label, "status": "ok", "median_step_s": median,
            "tokens_per_s": args.micro_batch * args.seq_len / median, "peak_gib": peak_gib(),
            "fake_quantized_layers": len(quantize.fake_quantized(distiller.students["s"].model)),
            "losses": [r["s/loss"] for r in distiller.history]}
@@ -150,15 +169,20 @@ def decode(model: torch.nn.Module, scheme: str | None, args: argparse.Namespace,
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["QAD step (student from its own bf16 self):"]
-    base = next((r for r in result["step"] if r["scheme"] == "none" and r["status"] == "ok"), None)
+    lines = ["QAD step (student from its own bf16 self; ratio: against the row without fake quantisation with the "
+             "same teacher precision and kernels):"]
     for row in result["step"]:
+        name = (f"{row['scheme']} (teacher {row.get('teacher_precision')}/{row.get('teacher_kernels')}, student "
+                f"{row.get('student_kernels')})")
         if row["status"] != "ok":
-            lines.append(f"  {row['scheme']:30s} {row['status']}")
+            lines.append(f"  {name:60s} {row['status']}")
             continue
+        base = next((r for r in result["step"] if r["scheme"] == "none" and r["status"] == "ok"
+                     and all(r.get(k) == row.get(k) for k in ("teacher_precision", "teacher_kernels",
+                                                              "student_kernels"))), None)
         ratio = f"  {row['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
         memory = f"  peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
-        lines.append(f"  {row['scheme']:30s} {row['tokens_per_s']:12,.0f} tokens/s{ratio}{memory}")
+        lines.append(f"  {name:60s} {row['tokens_per_s']:12,.0f} tokens/s{ratio}{memory}")
     lines.append("exported model, greedy decode:")
     bf16 = next((r for r in result["decode"] if r["scheme"] == "bf16" and r["status"] == "ok"), None)
     for row in result["decode"]:
@@ -178,6 +202,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--schemes", nargs="+", default=["int4_weight_only", "int8_dynamic_act_int4_weight", "fp8"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--teacher-precision", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--student-kernels", default="auto", choices=["auto", "none", "liger", "compile"])
+    parser.add_argument("--teacher-kernels", default="auto", choices=["auto", "none", "liger", "compile"])
+    parser.add_argument("--step-rows", nargs="+", metavar="SCHEME[:TEACHER_PRECISION[:STUDENT_KERNELS]]",
+                        help="the step rows, in order (default: none and each of --schemes), e.g. none:fp8 "
+                             "int4_weight_only:fp8 int4_weight_only:auto:compile; a fourth field sets the teacher's "
+                             "kernels (none:fp8:auto:none: an eager FP8 teacher)")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
@@ -197,11 +227,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "parameters": sum(p.numel() for p in model.parameters()),
                               "command": "python benchmarks/bench_qad.py " + " ".join(sys.argv[1:] if argv is None
                                                                                        else argv)}
-    result["step"] = [] if "step" in args.skip else [step(model, s, args) for s in schemes]
-    with tempfile.TemporaryDirectory(prefix="bench_qad_") as work:  # the exported folders: GiB, not results
-        result["decode"] = [] if "decode" in args.skip else [decode(model, s, args, Path(work)) for s in schemes]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_qad.json").write_text(json.dumps(result, indent=2))
+
+    def save() -> None:  # after every row: a launch cut short keeps the rows it finished
+        (args.out / "bench_qad.json").write_text(json.dumps(result, indent=2))
+
+    result["step"], result["decode"] = [], []
+    rows = [parse_row(text, args) for text in args.step_rows or ["none", *args.schemes]]
+    for spec in [] if "step" in args.skip else rows:
+        result["step"].append(step(model, spec, args))
+        print(f"step row {spec}: {result['step'][-1].get('tokens_per_s', result['step'][-1]['status'])}", flush=True)
+        save()
+    with tempfile.TemporaryDirectory(prefix="bench_qad_") as work:  # the exported folders: GiB, not results
+        for scheme in [] if "decode" in args.skip else schemes:
+            result["decode"].append(decode(model, scheme, args, Path(work)))
+            save()
+    save()
     print(table(result))
     return result
 

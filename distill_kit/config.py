@@ -398,6 +398,9 @@ class QuantizeConfig:
     """Inputs sharing one int4 scale (the int4 schemes): smaller groups follow the weights more closely and store
     more scales. Must divide the input width of every quantised layer (hidden_size, intermediate_size, the
     attention width); nvfp4 and mxfp4 use their formats' own blocks (16, 32)."""
+    learn_scales: bool = False
+    """The int4 schemes: train each group's scale with the weights (torchao's range learning), starting from PTQ's
+    (max |w| / 7.5), and export the learned scales; off, every forward recomputes each scale from its weights."""
 
     def __post_init__(self) -> None:
         if self.scheme not in QUANT_SCHEMES:

@@ -45,3 +45,28 @@ def test_the_share_of_the_ptq_gap_qad_recovers():
     assert summary["qad_closer_to_teacher_than_qat_every_seed"] is True
     assert qad_quality.recovered({**seed, "ptq": {"perplexity": 10.0}}) is None  # no gap: nothing to recover
     assert qad_quality.recovered({**seed, "ptq": {"perplexity": 10.00001}}) is None  # below evaluation resolution
+
+
+def test_bins_moved_counts_the_weights_whose_int4_value_differs_from_ptqs():
+    """One weight pushed across its rounding boundary (and nothing else changed) moves exactly one value of all the
+    quantised weights; the group's scale (max |w| / 7.5) is left alone by choosing a weight that is not the max."""
+    import qad_quality
+    from tiny_models import llama_config
+    from transformers import LlamaForCausalLM
+
+    from distill_kit.config import QuantizeConfig
+    from distill_kit.engines import quantize
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config())
+    spec = QuantizeConfig("int4_weight_only", group_size=16)
+    ptq = qad_quality.int_values(quantize.convert(model, spec))
+    total = sum(v.numel() for v in ptq.values())
+    assert qad_quality.bins_moved(quantize.convert(model, spec), ptq) == 0
+    weight = model.model.layers[0].mlp.down_proj.weight
+    group = weight.data[0, :16]
+    scale = group.abs().max() / 7.5
+    index = int((group.abs() < group.abs().max() / 2).nonzero()[0])  # a weight well inside the group's range
+    with torch.no_grad():
+        group[index] += scale  # exactly one bin up: its int4 value changes by 1, the group's max does not
+    assert qad_quality.bins_moved(quantize.convert(model, spec), ptq) == 1 / total

@@ -113,6 +113,10 @@ def test_nvfp4_off_blackwell_and_a_conv1d_student_are_refused_with_what_can_run(
                                   capability=(10, 0))
     assert blackwell == ["mxfp4's block of 32 does not divide the input width of every quantised layer (widths [32, "
                          "48]; [48] are not multiples): choose widths that are multiples of it, or another scheme"]
+    learned_fp8 = quantize.problems(QuantizeConfig("fp8", learn_scales=True), llama_config(), zero_stage=2,
+                                    peft=False, capability=(9, 0))
+    assert learned_fp8 == ["learn_scales trains int4 group scales (torchao's range learning): fp8 has none to learn; "
+                           "use int4_weight_only or int8_dynamic_act_int4_weight, or drop learn_scales"]
     gpt2 = quantize.problems(QuantizeConfig("int4_weight_only", GROUP), gpt2_config(32, 1), zero_stage=2,
                              peft=False, capability=None)
     assert gpt2 == ["model type 'gpt2' computes its projections with Conv1D, and torchao's QAT fake-quantises "
@@ -133,11 +137,14 @@ def test_a_scheme_the_installed_torchao_cannot_convert_is_refused(teacher_dir, m
 
 
 SCHEME = QuantizeConfig("int8_dynamic_act_int4_weight", group_size=GROUP)
+LEARNED = QuantizeConfig("int4_weight_only", group_size=GROUP, learn_scales=True)
 
 
 def _distiller(teacher_dir: Path, folder: Path) -> Distiller:
-    """QAD: the student starts as the teacher itself, fake-quantised; a replicated fp32 teacher (stage 0)."""
-    return Distiller(students=[StudentSpec(name="q", model=str(teacher_dir), quantize=SCHEME)],
+    """QAD: the students start as the teacher itself, fake-quantised (``l`` with learned int4 scales); a replicated
+    fp32 teacher (stage 0)."""
+    return Distiller(students=[StudentSpec(name="q", model=str(teacher_dir), quantize=SCHEME),
+                               StudentSpec(name="l", model=str(teacher_dir), quantize=LEARNED)],
                      teachers=[TeacherSpec(name="t", model=str(teacher_dir))],
                      training=TrainingConfig(max_steps=4, lr=1e-2, micro_batch_size=2, save_every=2,
                                              checkpoint_dir=str(folder)),
@@ -149,8 +156,9 @@ def trained(teacher_dir, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("qad")
     distiller = _distiller(teacher_dir, folder / "checkpoints")
     records = distiller.train(random_batches(4, 2, 16, seed=3))
-    exported = distiller.export(folder / "export")["q"]
-    return {"distiller": distiller, "records": records, "folder": folder, "export": exported}
+    exported = distiller.export(folder / "export")
+    return {"distiller": distiller, "records": records, "folder": folder, "export": exported["q"],
+            "learned_export": exported["l"]}
 
 
 @pytest.mark.slow
@@ -162,6 +170,11 @@ def test_the_zero2_engine_trains_the_fake_quantised_student(trained, teacher_dir
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
     moved = max((p - teacher.get_parameter(n)).abs().max().item() for n, p in model.named_parameters())
     assert moved > 1e-3  # the fake-quantised layers' high-precision weights train (straight-through gradient)
+    learned = distiller.students["l"].model
+    ptq = quantize.prepare(copy.deepcopy(teacher), LEARNED)  # the scales as initialised: PTQ's, max |w| / 7.5
+    scales = {n: p for n, p in learned.named_parameters() if n.endswith("weight_fake_quantizer.scale")}
+    assert len(scales) == 28 and all(p.requires_grad for p in scales.values())
+    assert max((p - ptq.get_parameter(n)).abs().max().item() for n, p in scales.items()) > 1e-4  # they train
 
 
 @pytest.mark.slow
@@ -194,16 +207,34 @@ def test_the_export_loads_as_low_bit_weights_and_computes_the_fake_quantised_stu
 
 
 @pytest.mark.slow
+def test_a_student_with_learned_scales_exports_them(trained):
+    """The learned-scale student's folder holds its trained scales (not PTQ's recomputed ones) and computes its
+    fake-quantised logits, within the bound derived above."""
+    student = trained["distiller"].students["l"].model.eval()
+    loaded = AutoModelForCausalLM.from_pretrained(trained["learned_export"]).eval()
+    layer = "model.layers.0.mlp.down_proj"
+    want_scale = student.get_submodule(layer).weight_fake_quantizer.scale.detach().flatten()
+    assert torch.equal(loaded.get_submodule(layer).weight.scale.flatten().float(), want_scale)
+    ids = random_batches(1, 2, 16, seed=11)[0]["input_ids"]
+    with torch.no_grad(), quantize.unpatched_linear():
+        want = student(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 13 * 48 * 2.0**-24 * want.abs().max().item()
+    student.train()
+
+
+@pytest.mark.slow
 def test_a_resumed_quantized_run_equals_the_uninterrupted_run(trained, teacher_dir):
     """Resumed from the checkpoint at step 2 in a new Distiller: steps 3 and 4 give the same losses, bit for bit,
-    and the same weights (the fake quantisers hold no state of their own: checkpoints hold the weights)."""
+    and the same weights (checkpoints hold the weights, and the learned scales as parameters)."""
     resumed = _distiller(teacher_dir, trained["folder"] / "resumed")
     resumed.load(trained["folder"] / "checkpoints" / "step_00000002")
     rest = resumed.train(random_batches(4, 2, 16, seed=3))
     assert rest == trained["records"][2:]
-    want = dict(trained["distiller"].students["q"].model.named_parameters())
-    for name, param in resumed.students["q"].model.named_parameters():
-        assert torch.equal(param, want[name]), name
+    for student in ("q", "l"):
+        want = dict(trained["distiller"].students[student].model.named_parameters())
+        for name, param in resumed.students[student].model.named_parameters():
+            assert torch.equal(param, want[name]), name
 
 
 def test_ptq_of_the_teacher_is_the_same_conversion_of_untrained_weights(teacher_dir):

@@ -112,11 +112,36 @@ def quantized_layers(model: nn.Module) -> Callable[[nn.Module, str], bool]:
 
 
 def prepare(model: nn.Module, quantize: QuantizeConfig) -> nn.Module:
-    """Fake-quantise ``model``'s decoder-layer linear layers in place (torchao's QAT prepare step); returns it."""
+    """Fake-quantise ``model``'s decoder-layer linear layers in place (torchao's QAT prepare step); returns it.
+
+    ``learn_scales``: the weight fake quantisers are torchao's range-learning ones (static scales, trainable),
+    initialised from the weights as PTQ would (``initialize_fake_quantizers``: one forward of one token) before any
+    optimiser sees the parameters; each becomes an ``nn.Parameter`` named ``...weight_fake_quantizer.scale``, which
+    the student's optimiser trains and its checkpoints save, and torchao's convert step exports. torchao keeps the
+    symmetric zero point (zeros) as a plain attribute, which ``.to(device)`` does not move: it is registered as a
+    buffer here so that the model moves (and saves) whole."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
-    quantize_(model, QATConfig(base_config(quantize), step="prepare"), filter_fn=quantized_layers(model))
+    if not quantize.learn_scales:
+        quantize_(model, QATConfig(base_config(quantize), step="prepare"), filter_fn=quantized_layers(model))
+    else:
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, initialize_fake_quantizers
+        from torchao.quantization.qat.fake_quantize_config import _infer_fake_quantize_configs
+
+        activation, weight = _infer_fake_quantize_configs(base_config(quantize))  # the scheme's own, then static
+        learned = IntxFakeQuantizeConfig(weight.dtype, weight.granularity, mapping_type=weight.mapping_type,
+                                         is_dynamic=False, range_learning=True)
+        quantize_(model, QATConfig(activation_config=activation, weight_config=learned, step="prepare"),
+                  filter_fn=quantized_layers(model))
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            initialize_fake_quantizers(model, (torch.zeros(1, 1, dtype=torch.long, device=device),))
+        for name in fake_quantized(model):
+            quantizer = model.get_submodule(name).weight_fake_quantizer
+            zero_point = quantizer.zero_point
+            del quantizer.zero_point
+            quantizer.register_buffer("zero_point", zero_point)
     model._distill_kit_quantize = quantize  # what export converts with (kept on the module, not in its state)
     return model
 
@@ -307,6 +332,9 @@ def problems(quantize: QuantizeConfig, model_config: Any, *, zero_stage: int, pe
         return [reason]
     if (reason := why_not_device(quantize.scheme, device_capability() if capability is None else capability)):
         found.append(reason)
+    if quantize.learn_scales and quantize.scheme not in INT4:
+        found.append(f"learn_scales trains int4 group scales (torchao's range learning): {quantize.scheme} has none "
+                     f"to learn; use {' or '.join(INT4)}, or drop learn_scales")
     if zero_stage == 3:
         found.append("a quantized student trains under ZeRO stage 0-2 (its export converts one whole copy on rank 0); "
                      "set the student's zero_optimization.stage to 2")
