@@ -115,7 +115,7 @@ def main() -> None:
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "scripts" / "serve_teacher.py"), folder, "--random-weights", "--port", str(port),
          "--device", "cpu", "--dtype", "bf16", "--threads", str(args.server_threads)],
-        env=os.environ | {"PYTHONPATH": str(ROOT)})
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     try:
         spec = TeacherSpec(name="served", model=f"http://127.0.0.1:{port}",
                            options={"payload": "hidden", "wait_s": 300, "timeout_s": 300, "rows_per_request": args.rows,

@@ -68,7 +68,9 @@ NAMES = ("full", "topk", "sampled")
 
 def run(command: list[str], log: Path, device: str) -> float:
     """One child process (its output in ``log``); its wall seconds. On the CPU it sees no GPU."""
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # keep any PYTHONPATH already set: on the GPU machine it is where DeepSpeed and the other wheels live
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.perf_counter()

@@ -69,7 +69,8 @@ def test_what_models_are_called_with_compiles_identical_layers_once():
         layer.compile(backend=counter)
     loss = SimpleNamespace(needs_hidden_states=False, needs_attentions=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    inputs = Student.inputs(SimpleNamespace(loss=loss), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    student = SimpleNamespace(loss=loss, reads_teacher_features=False)
+    inputs = Student.inputs(student, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     with torch.no_grad():
         model(**inputs)
         assert counter.frame_count == 1  # one graph shared by the four layers

@@ -66,6 +66,41 @@ def test_fake_quantisation_is_torchaos_quantize_dequantize_bitwise(teacher_dir, 
     assert type(model.lm_head).__name__ == "Linear" and type(model.lm_head.weight) is torch.nn.Parameter
 
 
+def test_learned_scales_start_as_torchaos_initialisation_without_a_model_forward(teacher_dir):
+    """``learn_scales`` initialises each weight quantiser on its own weight, not by a forward of the model (which
+    would run the student's kernels, GPU-only ones too, while it is still on the CPU: the 2026-12-04 H200 grid
+    failed there in Liger's rope). The scales equal those of torchao's ``initialize_fake_quantizers`` bitwise."""
+    from torchao.quantization.qat import initialize_fake_quantizers
+
+    spec = QuantizeConfig("int4_weight_only", group_size=GROUP, learn_scales=True)
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    reference = copy.deepcopy(model)
+    model.forward = None  # any model forward during prepare fails here
+    quantize.prepare(model, spec)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+
+    def torchao_prepare(m):  # prepare's torchao calls, then torchao's own initialisation (a forward)
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+        from torchao.quantization.qat.fake_quantize_config import _infer_fake_quantize_configs
+
+        _, weight = _infer_fake_quantize_configs(quantize.base_config(spec))
+        learned = IntxFakeQuantizeConfig(weight.dtype, weight.granularity, mapping_type=weight.mapping_type,
+                                         is_dynamic=False, range_learning=True)
+        quantize_(m, QATConfig(weight_config=learned, step="prepare"), filter_fn=quantize.quantized_layers(m))
+        with torch.no_grad():
+            initialize_fake_quantizers(m, (ids,))
+
+    torchao_prepare(reference)
+    names = quantize.fake_quantized(model)
+    assert len(names) == 28
+    for name in names:
+        ours = model.get_submodule(name).weight_fake_quantizer
+        theirs = reference.get_submodule(name).weight_fake_quantizer
+        assert isinstance(ours.scale, torch.nn.Parameter) and torch.equal(ours.scale, theirs.scale), name
+        assert torch.equal(ours.zero_point, theirs.zero_point), name
+
+
 def test_a_run_config_builds_the_typed_setting_and_refuses_a_bad_one():
     config = run_config.load(None, ["students=[{name: q, quantize: {scheme: int4_weight_only, group_size: 32}}]"])
     assert config.students[0].quantize == QuantizeConfig("int4_weight_only", 32)

@@ -115,8 +115,10 @@ def prepare(model: nn.Module, quantize: QuantizeConfig) -> nn.Module:
     """Fake-quantise ``model``'s decoder-layer linear layers in place (torchao's QAT prepare step); returns it.
 
     ``learn_scales``: the weight fake quantisers are torchao's range-learning ones (static scales, trainable),
-    initialised from the weights as PTQ would (``initialize_fake_quantizers``: one forward of one token) before any
-    optimiser sees the parameters; each becomes an ``nn.Parameter`` named ``...weight_fake_quantizer.scale``, which
+    initialised from the weights as PTQ would before any optimiser sees the parameters (what torchao's
+    ``initialize_fake_quantizers`` does with a forward of the whole model, done here quantiser by quantiser on its
+    own weight: a model forward would run the student's kernels, which may be GPU-only (Liger's rope) while the
+    student is still on the CPU); each becomes an ``nn.Parameter`` named ``...weight_fake_quantizer.scale``, which
     the student's optimiser trains and its checkpoints save, and torchao's convert step exports. torchao keeps the
     symmetric zero point (zeros) as a plain attribute, which ``.to(device)`` does not move: it is registered as a
     buffer here so that the model moves (and saves) whole."""
@@ -126,7 +128,7 @@ def prepare(model: nn.Module, quantize: QuantizeConfig) -> nn.Module:
     if not quantize.learn_scales:
         quantize_(model, QATConfig(base_config(quantize), step="prepare"), filter_fn=quantized_layers(model))
     else:
-        from torchao.quantization.qat import IntxFakeQuantizeConfig, initialize_fake_quantizers
+        from torchao.quantization.qat import IntxFakeQuantizeConfig
         from torchao.quantization.qat.fake_quantize_config import _infer_fake_quantize_configs
 
         activation, weight = _infer_fake_quantize_configs(base_config(quantize))  # the scheme's own, then static
@@ -134,11 +136,12 @@ def prepare(model: nn.Module, quantize: QuantizeConfig) -> nn.Module:
                                          is_dynamic=False, range_learning=True)
         quantize_(model, QATConfig(activation_config=activation, weight_config=learned, step="prepare"),
                   filter_fn=quantized_layers(model))
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            initialize_fake_quantizers(model, (torch.zeros(1, 1, dtype=torch.long, device=device),))
         for name in fake_quantized(model):
-            quantizer = model.get_submodule(name).weight_fake_quantizer
+            layer = model.get_submodule(name)
+            quantizer = layer.weight_fake_quantizer
+            quantizer._initialized = True  # as initialize_fake_quantizers marks it; its first call sets the scale
+            with torch.no_grad():
+                quantizer(layer.weight)
             zero_point = quantizer.zero_point
             del quantizer.zero_point
             quantizer.register_buffer("zero_point", zero_point)
