@@ -16,8 +16,10 @@ Tasks:
 Teachers, all the task's own teacher:
 
 * ``full``: the teacher in process, its whole distribution;
-* ``topk``: a top-k store at the sampled store's bytes (fp16 values, uint16 ids, fp16 tail; :data:`STORES`);
-* ``sampled``: a sampled store, K draws at T = 1, fp16 values, uint16 ids, uint8 counts (5 K bytes a token).
+* ``topk``: a top-k store at the sampled store's bytes (fp16 values, ids in the fewest bytes the vocabulary needs,
+  fp16 tail; :data:`STORES`);
+* ``sampled``: a sampled store, K draws at T = 1, fp16 values, ids as above, uint8 counts (5 K bytes a token with
+  two-byte ids, 4 K with one-byte ones).
 
 Each cell reports the student's held-out perplexity (the issue's metric) and its mean KL(teacher || student) on the
 held-out tokens (``mean_kl``, scored after the run with the teacher in process: the quantity distillation
@@ -62,7 +64,8 @@ STORES = {"default": {"topk": ["--k", "24"], "sampled": ["--targets", "sampled",
           "arithmetic": {"topk": ["--k", "5"], "sampled": ["--targets", "sampled", "--k", "4", "--temperature", "1.0"]}}
 """Per task, the two stores at (about) equal bytes a token: the default's 1,024-token vocabulary at ~100 bytes (top-k
 24 with its tail: 24 x 4 + 2 = 98; 20 draws: 20 x 5 = 100); the arithmetic teacher's 19 tokens at ~20 (its whole
-distribution is 38 bytes in fp16, so 100 bytes would hold it twice over: top-k 5 with its tail 22, 4 draws 20)."""
+distribution is 38 bytes in fp16, so 100 bytes would hold it twice over; its ids take one byte: top-k 5 with its
+tail 5 x 3 + 2 = 17, 4 draws 4 x 4 = 16)."""
 NAMES = ("full", "topk", "sampled")
 
 
