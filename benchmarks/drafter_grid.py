@@ -1,10 +1,29 @@
-"""Drafters for the embedded default's teacher: tau at gamma = 4 of one size and one initialisation, by objective.
+"""Drafters for a teacher, the embedded default's or the arithmetic task's: tau at gamma = 4 of one size and one
+initialisation, by objective.
 
-Every model-drafter is the embedded default's student (0.94M parameters), cut from its teacher as ``make distill``
-cuts it (``DEFAULT_STUDENT_CUT``: every other layer, width pruned by activation importance), the same cut weights
-for every objective of a seed. Rows of the corpus are ``prompt`` tokens of context and ``continuation`` tokens to
-learn: the off-policy objectives learn the corpus's continuation, the on-policy ones replace it by the drafter's own
-sample (``training.on_policy``: fraction 1, sampler student, temperature 1). Rows (``ROWS``):
+``--task default`` (the default): the embedded default's 6.7M teacher; every model-drafter is the embedded
+default's student (0.94M parameters), cut from its teacher as ``make distill`` cuts it (``DEFAULT_STUDENT_CUT``:
+every other layer, width pruned by activation importance), the same cut weights for every objective of a seed. Rows
+of the corpus are ``prompt`` tokens of context and ``continuation`` tokens to learn: the off-policy objectives learn
+the corpus's continuation, the on-policy ones replace it by the drafter's own sample (``training.on_policy``:
+fraction 1, sampler student, temperature 1).
+
+``--task arithmetic``: the arithmetic task's teacher (``distill_kit/assets/arithmetic/teacher``, 0.86M parameters,
+19 tokens). Its recipes train a student of their own shape from random weights (``configs/arithmetic.yaml``:
+3 layers, 96 wide, 3 heads, 288 MLP neurons, 0.36M parameters); a drafter of one size and one initialisation is
+that shape cut from the teacher as ``DEFAULT_STUDENT_CUT`` cuts the default's (``ARITHMETIC_STUDENT_CUT``: the
+width by activation importance; the depth every other layer, 0 and 2, as ``every: 2`` keeps, and the last, 3, for
+the recipe's three layers of the teacher's four): a random student's acceptance would measure how far training gets
+from nothing rather than the objective. Rows are the task's worked answers (its labelled stream, seed 0's as
+``quality_sampled.py`` draws it, ``--train-blocks`` of them), each one conversation as the chat template renders
+it, the answer and its end token counted (the prompt not); on-policy rows sample the answer to the question, up to
+``--continuation`` tokens or the end token. The held-out prompts are ``--prompts`` questions of the task's held-out
+stream (``<|user|>`` question ``<|assistant|>``), decoded until the end token (the answer, at most
+``--new-tokens``). The optimiser is the task's (``configs/arithmetic.yaml``: 64 rows a step, betas 0.9/0.98, cosine
+schedule); ``--prompt`` is not read. The feature drafter reads the inputs of the teacher's layers 2, 2 and 1 (the
+EAGLE-3 default clamped to its four layers, ``students/feature_drafter.py``).
+
+Rows (``ROWS``), for either task:
 
 * ``cut``: the cut, not trained;
 * ``no_teacher``, ``forward_kl`` (today's recipe), ``total_variation``: off-policy, ``--steps`` steps, one run (one
@@ -19,8 +38,9 @@ sample (``training.on_policy``: fraction 1, sampler student, temperature 1). Row
   clipping), as the Distiller does not build this student kind yet.
 
 Each drafter is measured by exact greedy speculative decoding with the teacher as target (``--sampled``: sampled
-mode too, temperature 1) on ``--prompts`` held-out prompts (the first ``prompt`` tokens of held-out blocks),
-``--new-tokens`` tokens each (``distill_kit/training/speculative.py``).
+mode too, temperature 1) on ``--prompts`` held-out prompts (default: the first ``prompt`` tokens of held-out blocks,
+``--new-tokens`` tokens each; arithmetic: held-out questions, to the end token; ``distill_kit/training/
+speculative.py``).
 
 Cells (a seed's off-policy run, its feature drafter, each warm-started row) run as ``--jobs`` processes side by side
 (``OMP_NUM_THREADS=1`` each; on ``--device cuda`` all on the one GPU); a warm-started cell starts when its seed's
@@ -30,6 +50,7 @@ finished cells::
 
     python benchmarks/drafter_grid.py --seeds 0 1 2 --steps 400 --warm-steps 200 --jobs 5 --out runs/drafters
     python benchmarks/drafter_grid.py --merge --out runs/drafters        # the table of the cells there
+    python benchmarks/drafter_grid.py --task arithmetic --seeds 0 1 2 --jobs 2 --out runs/drafters_arithmetic
 """
 
 from __future__ import annotations
@@ -42,9 +63,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,14 +77,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import losses.functional as functional  # noqa: E402
 from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig  # noqa: E402
-from distill_kit.config import OnPolicyConfig  # noqa: E402
-from distill_kit.data import blocks  # noqa: E402
+from distill_kit.config import FromTeacherConfig, OnPolicyConfig  # noqa: E402
+from distill_kit.data import blocks, chat  # noqa: E402
 from distill_kit.data.corpus import write_corpus  # noqa: E402
 from distill_kit.engines.schedule import scheduler  # noqa: E402
 from distill_kit.run.run_config import DEFAULT_STUDENT_CUT, DEFAULT_TEACHER  # noqa: E402
 from distill_kit.students.feature_drafter import FeatureDrafter  # noqa: E402
 from distill_kit.students.from_teacher import student_from_teacher  # noqa: E402
+from distill_kit.tasks import arithmetic  # noqa: E402
+from distill_kit.tasks.compare import chat_split  # noqa: E402
 from distill_kit.training import speculative  # noqa: E402
+from distill_kit.training.plan import DataFacts  # noqa: E402
 
 OFF_POLICY = {"no_teacher": "cross_entropy", "forward_kl": "forward_kl", "total_variation": "total_variation"}
 WARM = {"on_policy_fkl": ("forward_kl", True),
@@ -72,12 +99,94 @@ ROWS = ["cut", *OFF_POLICY, *WARM, "feature_drafter"]
 CELLS = ["off_policy", *WARM, "feature_drafter"]  # a cell: one process's work for one seed
 
 
-def data(args: argparse.Namespace, tokenizer) -> blocks.DataSplits:
+@dataclass
+class Rows:
+    """A task's data as a cell uses it."""
+
+    batches: Callable[[int], Iterator[dict]]
+    """Endless training micro-batches in an order fixed by the seed, labels on what is learnt (or sampled)."""
+    calibration: Iterable
+    """Micro-batches in order: the cut's activation importance is measured on them."""
+    prompts: list[torch.Tensor]
+    """Held-out prompts (1-D ids) tau is measured on."""
+    eos_token_id: int | None = None
+    """Where decoding stops and on-policy samples end; None: ``--new-tokens`` tokens, and the model's end token."""
+
+
+def default_rows(args: argparse.Namespace, tokenizer) -> Rows:
+    """The stdlib corpus in blocks of ``--prompt`` + ``--continuation`` tokens; prompts: held-out blocks' first
+    ``--prompt`` tokens."""
     splits = write_corpus(Path(args.cache) / "corpus")
     config = blocks.DataConfig(train=str(splits.train), heldout=str(splits.heldout),
                                block_size=args.prompt + args.continuation, max_train_blocks=args.train_blocks,
                                max_heldout_blocks=max(args.prompts, 8))
-    return blocks.build_splits(config, tokenizer)
+    split = blocks.build_splits(config, tokenizer)
+
+    def batches(seed: int):
+        loader = blocks.BlockLoader(split.train, args.batch, rank=0, world_size=1, seed=seed)
+        while True:
+            yield from with_prompts(loader, args.prompt)
+    return Rows(batches, blocks.BlockLoader(split.train, args.batch, rank=0, world_size=1, shuffle=False),
+                [torch.tensor(row["input_ids"][:args.prompt]) for row in list(split.heldout)[:args.prompts]])
+
+
+def arithmetic_files(args: argparse.Namespace) -> list[Path]:
+    """``--train-blocks`` worked answers of the task's labelled stream and ``--prompts`` of its held-out stream
+    (seed 0's streams), as chat records; each file written once (cells started side by side read it)."""
+    seeds, paths = arithmetic.split_seeds(0), []
+    for name, seed, count in (("train", seeds["labelled"], args.train_blocks), ("heldout", seeds["heldout"],
+                                                                               args.prompts)):
+        path = Path(args.cache) / "drafters_arithmetic" / f"{name}_{count}.jsonl"
+        if not path.exists():
+            arithmetic.write_jsonl(path.with_suffix(".partial"), list(arithmetic.examples(seed, count)),
+                                   with_answers=True).replace(path)
+        paths.append(path)
+    return paths
+
+
+def arithmetic_rows(args: argparse.Namespace, tokenizer) -> Rows:
+    """The task's conversations through its chat template (``tasks/compare.py``: ``chat_split``), labels on the
+    answer and its end token; prompts: held-out conversations up to the answer (a conversation's length less its
+    counted tokens)."""
+    split, pad = chat_split(tokenizer, *arithmetic_files(args)), chat.pad_id_of(tokenizer)
+
+    def batches(seed: int):
+        loader = chat.ChatLoader(split.train, args.batch, pad_id=pad, seed=seed)
+        while True:
+            yield from loader
+    return Rows(batches, chat.ChatLoader(split.train, args.batch, pad_id=pad, shuffle=False),
+                [torch.tensor(row["input_ids"][:row["length"] - row["counted"]]) for row in split.heldout],
+                tokenizer.eos_token_id)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A teacher the grid drafts for: its weights, the cut every model drafter starts from, its data, and what it
+    sets of the training and of the flags left out of the command."""
+
+    teacher: Path
+    cut: FromTeacherConfig
+    rows: Callable[[argparse.Namespace, object], Rows]
+    write: Callable[[argparse.Namespace], object]
+    """Its text on disk, written once before the cells read it side by side."""
+    kind: str = "text"
+    training: dict = field(default_factory=dict)
+    defaults: dict = field(default_factory=dict)
+
+
+ARITHMETIC_TEACHER = ROOT / "distill_kit" / "assets" / "arithmetic" / "teacher"
+ARITHMETIC_STUDENT = yaml.safe_load((ROOT / "configs" / "arithmetic.yaml").read_text())["students"][0]["init"]
+ARITHMETIC_STUDENT_CUT = FromTeacherConfig(
+    layers=(0, 2, 3), **{k: ARITHMETIC_STUDENT[k] for k in ("hidden_size", "intermediate_size",
+                                                            "num_attention_heads", "num_key_value_heads")})
+"""The arithmetic recipes' student shape (``configs/arithmetic.yaml``), cut from the task's teacher (module doc)."""
+TASKS = {
+    "default": Task(DEFAULT_TEACHER, DEFAULT_STUDENT_CUT, default_rows,
+                    lambda args: write_corpus(Path(args.cache) / "corpus"), training={"betas": (0.9, 0.95)},
+                    defaults={"batch": 8, "continuation": 64, "train_blocks": 2048}),
+    "arithmetic": Task(ARITHMETIC_TEACHER, ARITHMETIC_STUDENT_CUT, arithmetic_rows, arithmetic_files, kind="chat",
+                       training={"betas": (0.9, 0.98), "lr_schedule": "cosine"},
+                       defaults={"batch": 64, "continuation": 32, "train_blocks": 20000})}
 
 
 def with_prompts(loader, prompt: int):
@@ -90,39 +199,37 @@ def with_prompts(loader, prompt: int):
         yield batch
 
 
-def forever(splits, args: argparse.Namespace, seed: int):
-    loader = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, seed=seed)
-    while True:
-        yield from with_prompts(loader, args.prompt)
-
-
-def training_config(args: argparse.Namespace, seed: int, steps: int, on_policy: bool) -> TrainingConfig:
-    return TrainingConfig(max_steps=steps, micro_batch_size=args.batch, lr=args.lr, betas=(0.9, 0.95),
-                          warmup_steps=20, seed=seed, log_every=10**9,
-                          on_policy=OnPolicyConfig(fraction=1.0, sampler="student", max_new_tokens=args.continuation)
+def training_config(args: argparse.Namespace, seed: int, steps: int, on_policy: bool,
+                    eos_token_id: int | None = None) -> TrainingConfig:
+    return TrainingConfig(max_steps=steps, micro_batch_size=args.batch, lr=args.lr, warmup_steps=20, seed=seed,
+                          log_every=10**9, **TASKS[args.task].training,
+                          on_policy=OnPolicyConfig(fraction=1.0, sampler="student", max_new_tokens=args.continuation,
+                                                   eos_token_id=eos_token_id)
                           if on_policy else OnPolicyConfig())
 
 
-def train(students: dict, losses: dict, args: argparse.Namespace, splits, seed: int, steps: int,
+def train(students: dict, losses: dict, args: argparse.Namespace, rows: Rows, seed: int, steps: int,
           on_policy: bool) -> dict:
+    task = TASKS[args.task]
     specs = [StudentSpec(name=name, model=students[name], loss=losses[name]) for name in losses]
-    distiller = Distiller(students=specs, teachers=[TeacherSpec(name="teacher", model=str(DEFAULT_TEACHER))],
-                          training=training_config(args, seed, steps, on_policy))
+    distiller = Distiller(students=specs, teachers=[TeacherSpec(name="teacher", model=str(task.teacher))],
+                          training=training_config(args, seed, steps, on_policy, rows.eos_token_id),
+                          data=DataFacts(kind=task.kind))
     torch.manual_seed(seed)
-    distiller.train(forever(splits, args, seed))
+    distiller.train(rows.batches(seed))
     return {name: distiller.students[name].model for name in losses}
 
 
-def train_feature_drafter(teacher, args: argparse.Namespace, splits, seed: int, device: torch.device):
+def train_feature_drafter(teacher, args: argparse.Namespace, rows: Rows, seed: int, device: torch.device):
     """EAGLE-3's drafter on ``teacher``: forward KL to the teacher's next-token distribution at every learnt
     position, at each of ``--ttt`` unrolled draft steps (step m weighted 0.8 ** (m - 1), summed), AdamW on its own
     weights (the teacher's embedding and head stay frozen), the Distiller's schedule and clipping."""
     torch.manual_seed(seed)
     drafter = FeatureDrafter(teacher).to(device).train()
     training = training_config(args, seed, args.steps, False)
-    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=args.lr, betas=training.betas, weight_decay=0.0)
     schedule = scheduler(optimizer, training)
-    batches = forever(splits, args, seed)
+    batches = rows.batches(seed)
     for _ in range(args.steps):
         batch = next(batches)
         ids = batch["input_ids"].to(device)
@@ -141,13 +248,17 @@ def train_feature_drafter(teacher, args: argparse.Namespace, splits, seed: int, 
     return drafter.eval()
 
 
-def measure(teacher, drafters: dict, prompts: list[torch.Tensor], args: argparse.Namespace) -> dict:
-    """Greedy figures of each drafter, and with ``--sampled`` its sampled-mode tau and acceptance beside them."""
+def measure(teacher, drafters: dict, prompts: list[torch.Tensor], args: argparse.Namespace,
+            eos_token_id: int | None = None) -> dict:
+    """Greedy figures of each drafter, and with ``--sampled`` its sampled-mode tau and acceptance beside them;
+    ``eos_token_id``: each prompt decoded up to the end token (or ``--new-tokens``)."""
     figures = speculative.evaluate_drafters(teacher, drafters, prompts, gamma=args.gamma,
-                                            max_new_tokens=args.new_tokens, mode="greedy", latency_repeats=3)
+                                            max_new_tokens=args.new_tokens, mode="greedy", latency_repeats=3,
+                                            eos_token_id=eos_token_id)
     if args.sampled:
         sampled = speculative.evaluate_drafters(teacher, drafters, prompts, gamma=args.gamma,
-                                                max_new_tokens=args.new_tokens, mode="sampled", latency_repeats=1)
+                                                max_new_tokens=args.new_tokens, mode="sampled", latency_repeats=1,
+                                                eos_token_id=eos_token_id)
         for name, row in sampled.items():
             figures[name] |= {"tau_sampled": row["tau"],
                               "acceptance_by_position_sampled": row["acceptance_by_position"]}
@@ -156,33 +267,33 @@ def measure(teacher, drafters: dict, prompts: list[torch.Tensor], args: argparse
 
 def run_cell(cell: str, seed: int, args: argparse.Namespace) -> dict:
     """One cell's rows, trained and measured."""
-    device = torch.device(args.device)
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TEACHER)
-    splits = data(args, tokenizer)
-    teacher = AutoModelForCausalLM.from_pretrained(DEFAULT_TEACHER, dtype=torch.float32).eval()
-    prompts = [torch.tensor(row["input_ids"][:args.prompt], device=device)
-               for row in list(splits.heldout)[:args.prompts]]
+    device, task = torch.device(args.device), TASKS[args.task]
+    tokenizer = AutoTokenizer.from_pretrained(task.teacher)
+    rows = task.rows(args, tokenizer)
+    teacher = AutoModelForCausalLM.from_pretrained(task.teacher, dtype=torch.float32).eval()
+    prompts = [prompt.to(device) for prompt in rows.prompts]
     work = Path(args.out) / "work"
     torch.manual_seed(seed)
     if cell == "feature_drafter":
         teacher = teacher.to(device)
-        drafter = train_feature_drafter(teacher, args, splits, seed, device)
-        return measure(teacher, {"feature_drafter": drafter}, prompts, args)
-    calibration = blocks.BlockLoader(splits.train, args.batch, rank=0, world_size=1, shuffle=False)
-    cut = student_from_teacher(teacher, DEFAULT_STUDENT_CUT, calibration)
+        drafter = train_feature_drafter(teacher, args, rows, seed, device)
+        return measure(teacher, {"feature_drafter": drafter}, prompts, args, rows.eos_token_id)
+    cut = student_from_teacher(teacher, task.cut, rows.calibration)
     if cell == "off_policy":
         losses = {n: loss for n, loss in OFF_POLICY.items() if n in args.rows}
-        trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, splits, seed, args.steps, False)
+        trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, rows, seed, args.steps, False)
         if "forward_kl" in trained:  # the warm start of this seed's warm cells (a state dict: loaded weights-only)
             work.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.detach().cpu() for k, v in trained["forward_kl"].state_dict().items()},
                        work / f"forward_kl_s{seed}.pt")
-        rows = {"cut": cut} | trained if "cut" in args.rows else trained
-        return measure(teacher.to(device), {n: m.to(device).eval() for n, m in rows.items()}, prompts, args)
+        drafters = {"cut": cut} | trained if "cut" in args.rows else trained
+        return measure(teacher.to(device), {n: m.to(device).eval() for n, m in drafters.items()}, prompts, args,
+                       rows.eos_token_id)
     loss, on_policy = WARM[cell]
     cut.load_state_dict(torch.load(work / f"forward_kl_s{seed}.pt", weights_only=True))
-    trained = train({cell: cut}, {cell: loss}, args, splits, seed, args.warm_steps, on_policy)
-    return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args)
+    trained = train({cell: cut}, {cell: loss}, args, rows, seed, args.warm_steps, on_policy)
+    return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args,
+                   rows.eos_token_id)
 
 
 def cell_path(out: Path, cell: str, seed: int) -> Path:
@@ -195,7 +306,7 @@ def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
     # the first cells of every seed first, then each warm row at every seed before the next row
     pending = [(c, s) for c in wanted if c not in WARM for s in args.seeds]
     pending += [(c, s) for c in wanted if c in WARM for s in args.seeds]
-    write_corpus(Path(args.cache) / "corpus")  # once, before the cells read it side by side
+    TASKS[args.task].write(args)  # once, before the cells read it side by side
     running: dict = {}
     done: set = set()
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -224,16 +335,18 @@ def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="default", help="whose teacher the drafters draft for")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
     parser.add_argument("--steps", type=int, default=400, help="off-policy and feature-drafter steps")
     parser.add_argument("--warm-steps", type=int, default=200, help="steps of each warm-started row")
     parser.add_argument("--ttt", type=int, default=3, help="the feature drafter's unrolled draft steps in training")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, help="rows a step (default 8; arithmetic 64)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--prompt", type=int, default=32, help="context tokens of each row and held-out prompt")
-    parser.add_argument("--continuation", type=int, default=64, help="tokens learnt (or sampled) after the prompt")
-    parser.add_argument("--train-blocks", type=int, default=2048)
+    parser.add_argument("--continuation", type=int,
+                        help="tokens learnt (or sampled) after the prompt (default 64; arithmetic: at most 32 sampled)")
+    parser.add_argument("--train-blocks", type=int, help="training blocks (default 2048; arithmetic: 20000 answers)")
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts tau is measured on")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per held-out prompt")
     parser.add_argument("--gamma", type=int, default=4)
@@ -247,6 +360,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cell", nargs=2, metavar=("CELL", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument("--merge", action="store_true", help="only merge the cells in --out and print the table")
     args = parser.parse_args(argv)
+    for name, value in TASKS[args.task].defaults.items():  # the task's value of each flag left out
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     out = Path(args.out)
     if args.cell:
         torch.set_num_threads(1)
