@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -67,6 +68,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 import yaml
 
@@ -95,8 +97,11 @@ WARM = {"on_policy_fkl": ("forward_kl", True),
                                  "divergence": "forward_kl"}, True),
         "forward_kl_continued": ("forward_kl", False), "on_policy_tv": ("total_variation", True),
         "target_verified": ({"name": "target_verified", "gamma": 4, "rejected_weight": 1.0}, True)}
-ROWS = ["cut", *OFF_POLICY, *WARM, "feature_drafter"]
-CELLS = ["off_policy", *WARM, "feature_drafter"]  # a cell: one process's work for one seed
+TEACHER_TEXT = {"teacher_text_ce": "cross_entropy", "teacher_text_fkl": "forward_kl",
+                "teacher_text_tv": "total_variation"}  # the same losses on the teacher's greedy text
+FEATURE = ["feature_drafter", "feature_drafter_teacher_text"]
+ROWS = ["cut", *OFF_POLICY, *TEACHER_TEXT, *WARM, *FEATURE]
+CELLS = ["off_policy", "teacher_text", *WARM, *FEATURE]  # a cell: one process's work for one seed
 
 
 @dataclass
@@ -111,6 +116,8 @@ class Rows:
     """Held-out prompts (1-D ids) tau is measured on."""
     eos_token_id: int | None = None
     """Where decoding stops and on-policy samples end; None: ``--new-tokens`` tokens, and the model's end token."""
+    split: object = None
+    """The training rows themselves (the default task's blocks), which the teacher's-text rows regenerate."""
 
 
 def default_rows(args: argparse.Namespace, tokenizer) -> Rows:
@@ -127,7 +134,8 @@ def default_rows(args: argparse.Namespace, tokenizer) -> Rows:
         while True:
             yield from with_prompts(loader, args.prompt)
     return Rows(batches, blocks.BlockLoader(split.train, args.batch, rank=0, world_size=1, shuffle=False),
-                [torch.tensor(row["input_ids"][:args.prompt]) for row in list(split.heldout)[:args.prompts]])
+                [torch.tensor(row["input_ids"][:args.prompt]) for row in list(split.heldout)[:args.prompts]],
+                split=split)
 
 
 def arithmetic_files(args: argparse.Namespace) -> list[Path]:
@@ -220,12 +228,42 @@ def train(students: dict, losses: dict, args: argparse.Namespace, rows: Rows, se
     return {name: distiller.students[name].model for name in losses}
 
 
+@torch.no_grad()
+def on_teacher_text(rows: Rows, teacher, args: argparse.Namespace, device: torch.device) -> Rows:
+    """``rows`` with each training row's continuation replaced by the teacher's greedy continuation of its prompt
+    (``--prompt`` tokens, then ``--continuation`` greedy tokens, labels on those): the text greedy speculative
+    decoding drafts in, as EAGLE-3 and Medusa regenerate their training data with the target. Greedy decoding is
+    deterministic, so the text is computed once here, in batches (the KV cache of ``generate``), and equals what the
+    Distiller's teacher sampler at temperature 0 (``on_policy: {sampler: teacher, temperature: 0}``) writes row by
+    row, a ZeRO-3 generate step at every token (too slow for this grid). Default task only: the arithmetic
+    teacher's greedy answer is the data's worked answer (it answers every question right)."""
+    if args.task != "default":
+        raise SystemExit("the teacher's-text rows are for --task default (the arithmetic data is the teacher's text)")
+    loader = blocks.BlockLoader(rows.split.train, 256, rank=0, world_size=1, shuffle=False, drop_last=False)
+    texts = []
+    for batch in loader:
+        prompts = batch["input_ids"][:, :args.prompt].to(device)
+        texts += teacher.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                  max_new_tokens=args.continuation, min_new_tokens=args.continuation,
+                                  eos_token_id=None, pad_token_id=0).cpu().tolist()
+    texts = texts[:len(rows.split.train)]  # the last batch's filler blocks (all labels -100) are not rows
+    split = datasets.Dataset.from_list([{"input_ids": ids, "attention_mask": [1] * len(ids),
+                                         "labels": [-100] * args.prompt + ids[args.prompt:]}
+                                        for ids in texts])
+
+    def batches(seed: int):
+        loader = blocks.BlockLoader(split, args.batch, rank=0, world_size=1, seed=seed)
+        while True:
+            yield from loader
+    return Rows(batches, rows.calibration, rows.prompts, rows.eos_token_id, split)
+
+
 def train_feature_drafter(teacher, args: argparse.Namespace, rows: Rows, seed: int, device: torch.device):
     """EAGLE-3's drafter on ``teacher``: forward KL to the teacher's next-token distribution at every learnt
     position, at each of ``--ttt`` unrolled draft steps (step m weighted 0.8 ** (m - 1), summed), AdamW on its own
     weights (the teacher's embedding and head stay frozen), the Distiller's schedule and clipping."""
     torch.manual_seed(seed)
-    drafter = FeatureDrafter(teacher).to(device).train()
+    drafter = FeatureDrafter(teacher, layers=args.feature_layers).to(device).train()
     training = training_config(args, seed, args.steps, False)
     optimizer = torch.optim.AdamW(drafter.trainable_parameters(), lr=args.lr, betas=training.betas, weight_decay=0.0)
     schedule = scheduler(optimizer, training)
@@ -274,11 +312,13 @@ def run_cell(cell: str, seed: int, args: argparse.Namespace) -> dict:
     prompts = [prompt.to(device) for prompt in rows.prompts]
     work = Path(args.out) / "work"
     torch.manual_seed(seed)
-    if cell == "feature_drafter":
+    if cell in FEATURE:
         teacher = teacher.to(device)
+        if cell == "feature_drafter_teacher_text":
+            rows = on_teacher_text(rows, teacher, args, device)
         drafter = train_feature_drafter(teacher, args, rows, seed, device)
-        return measure(teacher, {"feature_drafter": drafter}, prompts, args, rows.eos_token_id)
-    cut = student_from_teacher(teacher, task.cut, rows.calibration)
+        return measure(teacher, {cell: drafter}, prompts, args, rows.eos_token_id)
+    cut = student_from_teacher(teacher, dataclasses.replace(task.cut, **args.cut), rows.calibration)
     if cell == "off_policy":
         losses = {n: loss for n, loss in OFF_POLICY.items() if n in args.rows}
         trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, rows, seed, args.steps, False)
@@ -289,11 +329,39 @@ def run_cell(cell: str, seed: int, args: argparse.Namespace) -> dict:
         drafters = {"cut": cut} | trained if "cut" in args.rows else trained
         return measure(teacher.to(device), {n: m.to(device).eval() for n, m in drafters.items()}, prompts, args,
                        rows.eos_token_id)
+    if cell == "teacher_text":  # from the cut, as the off-policy rows, on the teacher's greedy text
+        rows = on_teacher_text(rows, teacher.to(device), args, device)
+        losses = {n: loss for n, loss in TEACHER_TEXT.items() if n in args.rows}
+        trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, rows, seed, args.steps, False)
+        return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args,
+                       rows.eos_token_id)
     loss, on_policy = WARM[cell]
     cut.load_state_dict(torch.load(work / f"forward_kl_s{seed}.pt", weights_only=True))
     trained = train({cell: cut}, {cell: loss}, args, rows, seed, args.warm_steps, on_policy)
     return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args,
                    rows.eos_token_id)
+
+
+@torch.no_grad()
+def teacher_sharpness(args: argparse.Namespace) -> dict:
+    """How decided the teacher is where greedy speculative decoding drafts: over its greedy text after each
+    held-out prompt (``--new-tokens`` tokens), its top-1 probability and the gap to its second. A greedy draft is
+    kept when the drafter's argmax is the teacher's; where the teacher's top two are close, a drafter near the
+    teacher's distribution still picks the other one about as often."""
+    task = TASKS[args.task]
+    rows = task.rows(args, AutoTokenizer.from_pretrained(task.teacher))
+    teacher = AutoModelForCausalLM.from_pretrained(task.teacher, dtype=torch.float32).eval()
+    top1, gap = [], []
+    for prompt in rows.prompts:
+        text = speculative.target_greedy_text(teacher, prompt, args.new_tokens, teacher.config.vocab_size)
+        top = teacher(input_ids=text[None]).logits[0, len(prompt) - 1:-1].float().softmax(-1).topk(2, -1).values
+        top1 += top[:, 0].tolist()
+        gap += (top[:, 0] - top[:, 1]).tolist()
+    p1, margin = torch.tensor(top1), torch.tensor(gap)
+    return {"positions": len(top1), "top1_mean": p1.mean().item(), "top1_median": p1.median().item(),
+            "share_top1_below_0.5": (p1 < 0.5).float().mean().item(),
+            "share_top1_below_0.3": (p1 < 0.3).float().mean().item(),
+            "share_gap_below_0.1": (margin < 0.1).float().mean().item(), "gap_mean": margin.mean().item()}
 
 
 def cell_path(out: Path, cell: str, seed: int) -> Path:
@@ -302,7 +370,8 @@ def cell_path(out: Path, cell: str, seed: int) -> Path:
 
 def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
     """Every (cell, seed) as its own process, ``--jobs`` at a time; a warm cell after its seed's off-policy one."""
-    wanted = [c for c in CELLS if c == "off_policy" and set(OFF_POLICY) & set(args.rows) or c in args.rows]
+    wanted = [c for c in CELLS if c == "off_policy" and set(OFF_POLICY) & set(args.rows)
+              or c == "teacher_text" and set(TEACHER_TEXT) & set(args.rows) or c in args.rows]
     # the first cells of every seed first, then each warm row at every seed before the next row
     pending = [(c, s) for c in wanted if c not in WARM for s in args.seeds]
     pending += [(c, s) for c in wanted if c in WARM for s in args.seeds]
@@ -324,12 +393,22 @@ def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
                 del running[key]
                 done.add(key)
                 print(f"cell {key[0]} seed {key[1]}: exit {process.returncode}", flush=True)
-        ready = [(c, s) for c, s in pending if c in ("off_policy", "feature_drafter") or ("off_policy", s) in done]
+        ready = [(c, s) for c, s in pending if c not in WARM or ("off_policy", s) in done]
         for key in ready[:max(0, args.jobs - len(running))]:
             pending.remove(key)
             command = [sys.executable, __file__, *argv, "--cell", key[0], str(key[1])]
             running[key] = subprocess.Popen(command, env=env)
         time.sleep(1)
+
+
+def cut_field(text: str) -> tuple[str, object]:
+    """``FIELD=VALUE`` of ``--cut``: a FromTeacherConfig field, the value as YAML reads it (``layers=[0,2,4]``)."""
+    name, _, value = text.partition("=")
+    if name not in {f.name for f in dataclasses.fields(FromTeacherConfig)} or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FIELD=VALUE with FIELD one of "
+                                         f"{', '.join(f.name for f in dataclasses.fields(FromTeacherConfig))}")
+    value = yaml.safe_load(value)
+    return name, tuple(value) if isinstance(value, list) else value
 
 
 def main(argv=None) -> int:
@@ -341,6 +420,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=400, help="off-policy and feature-drafter steps")
     parser.add_argument("--warm-steps", type=int, default=200, help="steps of each warm-started row")
     parser.add_argument("--ttt", type=int, default=3, help="the feature drafter's unrolled draft steps in training")
+    parser.add_argument("--feature-layers", type=int, nargs=3, metavar=("LOW", "MIDDLE", "HIGH"),
+                        help="the teacher's hidden states the feature drafter reads (default: EAGLE-3's)")
+    parser.add_argument("--cut", nargs="+", default=[], metavar="FIELD=VALUE", type=cut_field,
+                        help="the model drafters' size, fields of the task's cut replaced (FromTeacherConfig), e.g. "
+                             "every=2 hidden_size=256 intermediate_size=704 num_attention_heads=4 "
+                             "num_key_value_heads=4 (the default's teacher width at half its depth)")
     parser.add_argument("--batch", type=int, help="rows a step (default 8; arithmetic 64)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--prompt", type=int, default=32, help="context tokens of each row and held-out prompt")
@@ -359,7 +444,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="runs/drafters")
     parser.add_argument("--cell", nargs=2, metavar=("CELL", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument("--merge", action="store_true", help="only merge the cells in --out and print the table")
+    parser.add_argument("--sharpness", action="store_true",
+                        help="only measure how decided the teacher is on its greedy text (<out>/sharpness.json)")
     args = parser.parse_args(argv)
+    args.cut = dict(args.cut)
     for name, value in TASKS[args.task].defaults.items():  # the task's value of each flag left out
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -375,6 +463,12 @@ def main(argv=None) -> int:
                                     "figures": figures}, indent=2))
         print(f"{cell} seed {seed} ({time.time() - started:.0f} s): " +
               ", ".join(f"{k} {v['tau']:.3f}" for k, v in figures.items()), flush=True)
+        return 0
+    if args.sharpness:
+        out.mkdir(parents=True, exist_ok=True)
+        figures = teacher_sharpness(args)
+        (out / "sharpness.json").write_text(json.dumps(figures, indent=2))
+        print(json.dumps(figures, indent=2))
         return 0
     if not args.merge:
         schedule_cells(args, argv)
