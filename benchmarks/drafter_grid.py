@@ -28,25 +28,35 @@ Rows (``ROWS``), for either task:
 * ``cut``: the cut, not trained;
 * ``no_teacher``, ``forward_kl`` (today's recipe), ``total_variation``: off-policy, ``--steps`` steps, one run (one
   teacher forward for the three);
+* ``teacher_text_ce``, ``teacher_text_fkl``, ``teacher_text_tv`` (default task): the same three losses, from the same
+  cut, on the teacher's greedy text: each training row's prompt continued by the teacher's ``--continuation``
+  greedy tokens (``on_teacher_text``), the text greedy speculative decoding drafts in (cross-entropy there is
+  sequence-level KD);
 * warm-started from that seed's ``forward_kl`` drafter, ``--warm-steps`` more steps each (as the task benchmark
   warm-starts its on-policy recipes): ``forward_kl_continued`` (off-policy, the control: as many steps in all as the
   on-policy rows), ``on_policy_fkl``, ``on_policy_tv``, ``target_verified`` (total variation weighted toward the
   drafts the teacher rejects, ``losses/drafting.py``) and ``target_verified_fkl`` (the same weights on forward KL);
-* ``feature_drafter``: EAGLE-3's feature-reading drafter on the teacher (``students/feature_drafter.py``), trained
-  ``--steps`` steps with forward KL on the corpus at ``--ttt`` unrolled draft steps (training-time test), each
-  step's loss weighted ``0.8 ** (m - 1)`` as EAGLE-3 does; a plain loop here (AdamW, the runs' schedule and
-  clipping), as the Distiller does not build this student kind yet.
+* ``feature_drafter``: EAGLE-3's feature-reading drafter on the teacher (``students/feature_drafter.py``, reading
+  ``--feature-layers``), trained ``--steps`` steps with forward KL on the corpus at ``--ttt`` unrolled draft steps
+  (training-time test), each step's loss weighted ``0.8 ** (m - 1)`` as EAGLE-3 does (and as the Distiller's step
+  does with ``feature_drafter.ttt_steps``, tested there); a plain loop here (AdamW without weight decay, the runs'
+  schedule and clipping), kept so that the figures recorded with it stay reproducible;
+  ``feature_drafter_teacher_text``: the same on the teacher's greedy text.
+
+Every model drafter is the task's cut unless ``--cut`` changes its size (fields of ``FromTeacherConfig``).
+``--sharpness`` measures instead how decided the teacher is on its own greedy text (top-1 probability, gap to the
+second), which bounds how often any drafter's argmax can be its argmax.
 
 Each drafter is measured by exact greedy speculative decoding with the teacher as target (``--sampled``: sampled
 mode too, temperature 1) on ``--prompts`` held-out prompts (default: the first ``prompt`` tokens of held-out blocks,
 ``--new-tokens`` tokens each; arithmetic: held-out questions, to the end token; ``distill_kit/training/
 speculative.py``).
 
-Cells (a seed's off-policy run, its feature drafter, each warm-started row) run as ``--jobs`` processes side by side
-(``OMP_NUM_THREADS=1`` each; on ``--device cuda`` all on the one GPU); a warm-started cell starts when its seed's
-off-policy cell is done. Each cell writes ``<out>/cells/<row>_s<seed>.json`` when done, and the merge (``<out>/
-drafters.json``, mean over seeds and range) reads whatever cells are there, so a grid stopped early keeps its
-finished cells::
+Cells (a seed's off-policy run, its teacher's-text run, each feature drafter, each warm-started row) run as
+``--jobs`` processes side by side (``OMP_NUM_THREADS=1`` each; on ``--device cuda`` all on the one GPU); a
+warm-started cell starts when its seed's off-policy cell is done. Each cell writes
+``<out>/cells/<row>_s<seed>.json`` when done, and the merge (``<out>/drafters.json``, mean over seeds and range)
+reads whatever cells are there, so a grid stopped early keeps its finished cells::
 
     python benchmarks/drafter_grid.py --seeds 0 1 2 --steps 400 --warm-steps 200 --jobs 5 --out runs/drafters
     python benchmarks/drafter_grid.py --merge --out runs/drafters        # the table of the cells there

@@ -418,8 +418,17 @@ class FeatureDrafterConfig:
     layers: tuple[int, ...] | None = None
     """Three indices of the teacher's hidden states (0 the embeddings, i the output of layer i - 1); None takes
     vLLM's and SGLang's EAGLE-3 default, (2, L // 2, L - 3)."""
+    ttt_steps: int = 3
+    """Draft steps unrolled in training (EAGLE-3's training-time test): step m reads the drafter's own step m - 1
+    output where decoding will, its loss weighted 0.8 ** (m - 1) and summed. 1 trains the first draft alone, which
+    reads only the teacher's features; from the second draft of a round on, decoding feeds the drafter its own
+    (benchmarks/results/drafters.md: the second draft kept 0.43 of the time with 2 steps, 0.11 with 1). Each step
+    costs about one more drafter forward over m times the keys; EAGLE-3 trains 7."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.ttt_steps, int) and not isinstance(self.ttt_steps, bool) and self.ttt_steps >= 1):
+            raise ValueError(f"feature_drafter.ttt_steps: {self.ttt_steps!r}; give the draft steps unrolled in "
+                             "training, a whole number >= 1 (e.g. 3, or your serving gamma)")
         if self.layers is not None:
             layers = tuple(self.layers)
             if len(layers) != 3 or not all(isinstance(i, int) and i >= 0 for i in layers):

@@ -49,7 +49,7 @@ from distill_kit.training.loop import Batch, Trainer
 from distill_kit.training.on_policy import Sampler
 from distill_kit.training.plan import DataFacts, Plan, make_plan
 from distill_kit.training.rewarding import Rewarder
-from distill_kit.training.student import Student
+from distill_kit.training.student import Student, unrolled_loss
 from losses import DistillationLoss, LossOutput
 from losses.policy import sampled_log_probs
 
@@ -191,7 +191,7 @@ class Distiller(Trainer):
         teacher = (copy.deepcopy(source) if isinstance(source, nn.Module) else
                    AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
         torch.manual_seed(self.training.seed)
-        return FeatureDrafter(teacher, layers=spec.feature_drafter.layers)
+        return FeatureDrafter(teacher, layers=spec.feature_drafter.layers, ttt_steps=spec.feature_drafter.ttt_steps)
 
     # ---- the hooks ---------------------------------------------------------------------------------------
 
@@ -318,12 +318,13 @@ class Distiller(Trainer):
         for name, student in self.students.items():
             if peers:
                 student_out = peers[name]
-            elif student.reads_teacher_features:  # a feature-reading drafter: the teacher's hidden states in
-                student_out = student.forward(batch, teacher_out)
+            elif student.reads_teacher_features:  # a feature-reading drafter: the teacher's hidden states in,
+                student_out = student.forward(batch, teacher_out, unroll=True)  # its unrolled draft steps out
             else:
                 student_out = self._forward(batch, student)
             target = teacher_out if len(self.teachers) else tuple(_detached(o) for n, o in peers.items() if n != name)
-            loss = self._loss(student_out, target, batch, student)
+            loss = (unrolled_loss([self._loss(out, target, batch, student) for out in student_out])
+                    if isinstance(student_out, list) else self._loss(student_out, target, batch, student))
             student.engine.backward(nonfinite.poison_if_not_finite(loss.total))
             student.engine.step()
             losses[student.key] = loss

@@ -9,6 +9,7 @@ exact up to float64 rounding of a few sums (1e-10 is far above it and far below 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -157,6 +158,9 @@ def test_a_teacher_without_hidden_states_several_teachers_and_sampling_are_refus
         _plan([drafter], [teacher], on_policy=OnPolicyConfig(fraction=1.0, sampler="student"))
     with pytest.raises(ValueError, match="drop model"):
         StudentSpec(name="eagle", model=str(llama_folder), feature_drafter={})
+    for steps in (0, 2.5, True):
+        with pytest.raises(ValueError, match="feature_drafter.ttt_steps"):
+            StudentSpec(name="eagle", feature_drafter={"ttt_steps": steps})
 
 
 @pytest.mark.slow  # builds DeepSpeed engines: a few seconds, off the fast tier
@@ -188,3 +192,40 @@ def test_the_distiller_trains_evaluates_and_exports_it(llama_folder, tmp_path):
     assert '"method": "eagle3"' in summary["students"]["eagle"]["serve"]["vllm"]
     folder = distiller.export(tmp_path / "students")["eagle"]
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+@pytest.mark.slow  # builds DeepSpeed engines: a few seconds, off the fast tier
+def test_the_distillers_step_trains_the_unrolled_draft_steps(llama_folder):
+    """``feature_drafter.ttt_steps: 3``: the step's loss is EAGLE-3's training-time test, each unrolled draft step's
+    forward KL to the teacher (masked per-token mean) weighted 0.8 ** (m - 1) and summed, against a float64
+    reference on the same weights; each later step's loss is logged."""
+    from transformers import AutoModelForCausalLM
+
+    from distill_kit import Distiller, StudentSpec, TeacherSpec, TrainingConfig
+    from tests.tiny_models import random_batches
+
+    distiller = Distiller(students=[StudentSpec(name="eagle", feature_drafter={"ttt_steps": 3})],
+                          teachers=[TeacherSpec(model=str(llama_folder))],
+                          training=TrainingConfig(max_steps=1, micro_batch_size=2, lr=1e-2))
+    drafter = distiller.students["eagle"].model
+    assert drafter.ttt_steps == 3
+    batch = random_batches(1, 2, 12, seed=0, vocab=drafter.config.vocab_size)[0]
+    teacher = AutoModelForCausalLM.from_pretrained(llama_folder, dtype=torch.float64).eval()
+    reference = copy.deepcopy(drafter).double()
+    with torch.no_grad():
+        out = teacher(input_ids=batch["input_ids"], output_hidden_states=True)
+        steps = reference.unrolled(batch["input_ids"], out.hidden_states, steps=3)
+    mask = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    mask[:, :-1] = batch["labels"][:, 1:] != -100
+    log_p = out.logits.log_softmax(-1)
+    per_step = [((log_p.exp() * (log_p - step.logits.log_softmax(-1))).sum(-1) * mask).sum() / mask.sum()
+                for step in steps]
+    expected = sum(0.8 ** m * loss for m, loss in enumerate(per_step))
+
+    loss = next(iter(distiller.training_step(batch).values()))
+    # float32 engines against float64: per-token KLs of order 1 summed over ~20 positions and 3 steps, each off by
+    # float32 rounding of 64-wide dot products and a 64-token softmax (~1e-6 relative): 1e-4 is far above that and
+    # far below the 0.8 ** 2 weight of the third step (dropping or misweighting a step moves it by > 10%).
+    assert float(loss.total.detach()) == pytest.approx(float(expected), rel=1e-4)
+    assert float(loss.parts["draft_step_2"]) == pytest.approx(float(per_step[1]), rel=1e-4)
+    assert float(loss.parts["draft_step_3"]) == pytest.approx(float(per_step[2]), rel=1e-4)

@@ -70,8 +70,11 @@ class FeatureDrafter(nn.Module):
     """Speculative decoding and the training step hand it the teacher's hidden states (``training/speculative.py``)."""
 
     def __init__(self, teacher: nn.Module, layers: tuple[int, int, int] | None = None,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", ttt_steps: int = 1):
         super().__init__()
+        self.ttt_steps = ttt_steps
+        """Draft steps the training step unrolls (``FeatureDrafterConfig.ttt_steps``; :meth:`forward`'s
+        ``draft_steps``)."""
         base, head = _decoder_parts(teacher)
         config = copy.deepcopy(teacher.config)
         config._attn_implementation = attn_implementation
@@ -143,12 +146,16 @@ class FeatureDrafter(nn.Module):
             ~allowed, torch.finfo(dtype).min)[None, None]
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None,
-                teacher_hidden_states: Any = None, cache: Any = None, **_: Any) -> FeatureDrafterOutput:
+                teacher_hidden_states: Any = None, cache: Any = None, draft_steps: int = 1,
+                **_: Any) -> FeatureDrafterOutput | list[FeatureDrafterOutput]:
         """One draft step at every position of ``input_ids`` ``(B, T)``: ``features`` ``(B, T, H)`` (position s's
         stand-in for the teacher at s - 1), or the teacher's ``hidden_states`` tuple to fuse them from. With a
-        transformers ``cache`` the positions continue after its length (a decoding step)."""
+        transformers ``cache`` the positions continue after its length (a decoding step). ``draft_steps`` > 1:
+        :meth:`unrolled`'s list of that many steps instead (the training step's training-time test)."""
         if features is None:
             features = self.teacher_features(teacher_hidden_states)
+        if draft_steps > 1:
+            return self.unrolled(input_ids, steps=draft_steps, features=features)
         past = cache.get_seq_length() if cache is not None else 0
         length = input_ids.shape[1]
         position_ids = torch.arange(past, past + length, device=input_ids.device)[None].expand(input_ids.shape[0], -1)

@@ -7,7 +7,7 @@ them; the loop around the step (``training/loop.py``) sees only each student's e
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from distill_kit.engines.build import build_student
 from distill_kit.engines.head import why_not_fused
 from distill_kit.training.export import export_student
 from distill_kit.training.on_policy import student_kernels
-from losses import DistillationLoss
+from losses import DistillationLoss, LossOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,11 @@ class Student:
                   "output_attentions": self.loss.needs_attentions}
         return inputs | packed_model_inputs(batch)  # packed chat rows: position_ids, no 2-D mask, no cache
 
-    def forward(self, batch: Batch, teacher_out: Any = None) -> Any:
+    def forward(self, batch: Batch, teacher_out: Any = None, unroll: bool = False) -> Any:
         """Fused: a ``HeadOutput`` (hidden states and head), whose ``logits`` are computed only if read. A
-        feature-reading drafter reads ``teacher_out``'s hidden states (the step's one teacher forward)."""
+        feature-reading drafter reads ``teacher_out``'s hidden states (the step's one teacher forward); with
+        ``unroll`` (the training step) it returns its ``ttt_steps`` unrolled draft steps, a list, whose losses
+        :func:`unrolled_loss` sums."""
         inputs = self.inputs(batch)
         if self.reads_teacher_features:
             hidden_states = getattr(teacher_out, "hidden_states", None)
@@ -91,6 +93,8 @@ class Student:
                 raise ValueError(f"student {self.name!r} reads its teacher's hidden states, and the teacher's output "
                                  "has none: call forward(batch, teacher_out) with a forward that asked for them")
             inputs["teacher_hidden_states"] = hidden_states
+            if unroll:
+                inputs["draft_steps"] = getattr(self.model, "ttt_steps", 1)
         return self.engine(**inputs, head=not self.fused_head)
 
     def export(self, directory: str | Path, tokenizer: Any | None = None) -> Path:
@@ -105,3 +109,15 @@ class Student:
             return Path(directory)
         return export_student(self.model, directory, tokenizer, merged=self.export_merged)
 
+
+TTT_DECAY = 0.8
+"""EAGLE-3's weight of each later unrolled draft step's loss (step m: ``0.8 ** (m - 1)``)."""
+
+
+def unrolled_loss(steps: Sequence[LossOutput]) -> LossOutput:
+    """A feature-reading drafter's training-time test: the losses of its unrolled draft steps, step m weighted
+    ``TTT_DECAY ** (m - 1)`` and summed, as EAGLE-3 trains. Logged: the first step's parts as they are (the
+    figure comparable with a drafter trained on one step) and each later step's loss as ``draft_step_<m>``."""
+    total = sum(TTT_DECAY ** m * step.total for m, step in enumerate(steps))
+    parts = dict(steps[0].parts) | {f"draft_step_{m + 1}": step.total.detach() for m, step in enumerate(steps) if m}
+    return LossOutput(total, parts)
