@@ -131,6 +131,11 @@ class OnPolicyConfig:
     gives is repeated G times before sampling (its G copies side by side), so a micro-batch of P prompts trains on
     P x G rows: ``micro_batch_size`` counts those rows, and the CLI reads micro_batch_size / G prompts per
     micro-batch. Rewards are normalised within each group (training.rewards). Needs fraction 1."""
+    prompt_tokens: int = 0
+    """Text data (rows that count every token, and so have no prompt of their own): each sampled row's first
+    ``prompt_tokens`` tokens are its prompt, and the sample replaces the rest, e.g. a drafter trained on its teacher's
+    greedy continuations (``sampler: teacher, temperature: 0``; docs/drafters.md). 0: the row's own prompt (chat
+    data), and on-policy training on text data is refused. Chat rows keep their own prompts: not both."""
     updates_per_rollout: int = 1
     """Optimizer steps on each step's samples (PPO's epochs; TRL's GRPO ``num_iterations``, the GRPO paper's mu).
     1: fresh samples every step. N > 1: the samples (and their rewards) made at one step are trained on again at
@@ -152,6 +157,7 @@ class OnPolicyConfig:
             "pack_to": self.pack_to >= 0,
             "samples_per_prompt": self.samples_per_prompt >= 1,
             "updates_per_rollout": self.updates_per_rollout >= 1,
+            "prompt_tokens": self.prompt_tokens >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -159,7 +165,7 @@ class OnPolicyConfig:
             raise ValueError(f"invalid on-policy settings: {values} (fraction in [0, 1], sampler student or "
                              "teacher, max_new_tokens >= 1, temperature >= 0, top_p in (0, 1], top_k >= 0, "
                              "generation_batch_size >= 0, max_length >= 0, pack_to >= 0, samples_per_prompt >= 1, "
-                             "updates_per_rollout >= 1)")
+                             "updates_per_rollout >= 1, prompt_tokens >= 0)")
         if self.samples_per_prompt > 1 and self.fraction != 1.0:
             raise ValueError(f"on_policy.samples_per_prompt={self.samples_per_prompt} samples each prompt of a row "
                              f"several times, and on_policy.fraction={self.fraction} leaves some rows unsampled: set "

@@ -66,6 +66,36 @@ def test_samples_are_cut_to_fit_the_row_limit_and_the_cut_is_logged(caplog):
     assert [len(s) for s in limited.generate([torch.arange(1, 11)])] == [0]  # a prompt that fills the limit
 
 
+def test_text_rows_answer_their_first_prompt_tokens_and_without_them_are_refused():
+    """``on_policy.prompt_tokens``: a text row (every token counted) keeps its first tokens as the prompt and the
+    sample replaces the rest, labels on the sample only; a shorter (padded) row keeps what it has. Without
+    ``prompt_tokens`` such a row has no prompt, and the sampler says what to set instead of generating from nothing
+    (the CLI refuses text data without it before any work: ``test_start_checks.py::test_on_policy_rules``)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distill_kit.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                       eos_token_id=39, pad_token_id=0)).eval()
+    ids = torch.arange(1, 25).reshape(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # the second row is 6 tokens long
+    batch = {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    config = OnPolicyConfig(fraction=1.0, max_new_tokens=5, temperature=0.0, prompt_tokens=8, eos_token_id=39)
+    out = on_policy.Sampler(config, lambda: model)(batch)
+    for row, kept in ((0, 8), (1, 6)):
+        assert torch.equal(out["input_ids"][row, :kept], batch["input_ids"][row, :kept])
+        assert (out["labels"][row, :kept] == -100).all()
+        expected = model.generate(ids[row:row + 1, :kept], attention_mask=torch.ones(1, kept, dtype=torch.long),
+                                  do_sample=False, max_new_tokens=5, eos_token_id=39, pad_token_id=0)[0, kept:]
+        sample = out["labels"][row][out["labels"][row] != -100]
+        assert sample.tolist() == expected.tolist() and len(sample) > 0  # the greedy continuation, counted
+    with pytest.raises(ConfigError, match="set training.on_policy.prompt_tokens"):
+        on_policy.Sampler(OnPolicyConfig(fraction=1.0, max_new_tokens=5, eos_token_id=39), lambda: model)(batch)
+
+
 def test_a_model_compiled_layer_by_layer_samples_eagerly():
     """A teacher whose decoder layers are compiled (an FP8 teacher's default kernels) generates eagerly: with a
     cache, each layer would recompile for its own cache state (dynamo's counting backend sees no compile at all),

@@ -140,6 +140,11 @@ def test_on_policy_rules(setup):
     assert "has no end token" in problem and "set training.on_policy.eos_token_id" in problem
     (problem,) = validate.check_on_policy(_start(setup, "training.on_policy.fraction=0.25"))
     assert problem.startswith("training.on_policy.fraction=0.25 on text data")
+    assert "training.on_policy.prompt_tokens" in problem
+    assert validate.check_on_policy(_start(setup, "training.on_policy.fraction=0.25",
+                                           "training.on_policy.prompt_tokens=8")) == []
+    (problem,) = validate.check_on_policy(_start(setup, *chat, "training.on_policy.prompt_tokens=8"))
+    assert problem.startswith("training.on_policy.prompt_tokens=8 on chat data")
     two = _start(setup, *chat, "--students", "[{name: a, init: {n_layer: 1}}, {name: b, init: {n_layer: 1}}]")
     assert validate.check_on_policy(two) == []
     (problem,) = validate.check_plan(two)  # one rule, the plan's: the Distiller refuses the same

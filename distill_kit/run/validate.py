@@ -292,14 +292,22 @@ def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def check_on_policy(start: Start) -> list[str]:
-    """On-policy training on chat data (the prompts it answers). The rest is the plan's: one student, a sampling
+    """On-policy training on chat data (the prompts it answers), or on text data with ``prompt_tokens`` (each row's
+    first tokens its prompt). The rest is the plan's: one student, a sampling
     teacher that can generate and takes part in the loss, an end token and a pad token inside every vocabulary."""
     config = start.config
     on_policy = config.training.on_policy
-    if on_policy.fraction > 0 and config.data.train != STDLIB_CORPUS and start.data.kind != "chat":
+    if on_policy.fraction == 0:
+        return []
+    text = config.data.train == STDLIB_CORPUS or start.data.kind != "chat"
+    if text and not on_policy.prompt_tokens:
         return [f"training.on_policy.fraction={on_policy.fraction} on text data (data.format: text): a sample answers "
-                "a prompt, and packed text has none. Give chat data (records with messages, or prompt/completion), "
+                "a prompt, and a text row has none of its own. Set training.on_policy.prompt_tokens (e.g. 32: each "
+                "row's first tokens are its prompt), give chat data (records with messages, or prompt/completion), "
                 "or set training.on_policy.fraction: 0"]
+    if not text and on_policy.prompt_tokens:
+        return [f"training.on_policy.prompt_tokens={on_policy.prompt_tokens} on chat data: its rows answer their own "
+                "prompts. Drop prompt_tokens (it is for text data)"]
     return []
 
 

@@ -176,9 +176,8 @@ def held_out_prompts(batches: Iterable[Mapping[str, Any]], count: int, prompt_to
     for batch in batches:
         for row in range(batch["input_ids"].shape[0]):
             prompt = prompt_of(batch, row)
-            if len(prompt) == 0:
-                length = int(batch["attention_mask"][row].sum()) if "attention_mask" in batch else None
-                prompt = batch["input_ids"][row, :length][:prompt_tokens]
+            if len(prompt) == 0:  # a text row
+                prompt = prompt_of(batch, row, prompt_tokens)
             prompt = prompt[-prompt_tokens:].cpu()
             if len(prompt):
                 prompts.append(prompt)

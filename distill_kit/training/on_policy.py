@@ -83,9 +83,19 @@ class Sampler:
         refuse_packed(batch, self.config.fraction)
         batch = repeat_rows(batch, self.config.samples_per_prompt)
         rows = self.choose_rows(batch)
-        prompts = [prompt_of(batch, int(row)) for row in rows]
-        samples = self.generate(prompts if prompts or not self.synced else [prompt_of(batch, 0)])[:len(prompts)]
+        prompts = [self.prompt_of(batch, int(row)) for row in rows]
+        samples = self.generate(prompts if prompts or not self.synced else [self.prompt_of(batch, 0)])[:len(prompts)]
         return self.pack(splice(batch, rows, prompts, samples, self.pad_token_id))
+
+    def prompt_of(self, batch: Mapping[str, Any], row: int) -> torch.Tensor:
+        """A row's prompt to answer (``on_policy.prompt_tokens``: a text row's first tokens); a row without one is
+        refused (Python use: the CLI refuses text data without ``prompt_tokens`` before any work)."""
+        prompt = prompt_of(batch, row, self.config.prompt_tokens)
+        if len(prompt) == 0:
+            raise ConfigError("an on-policy row has no prompt (it counts every token, as text data does): set "
+                              "training.on_policy.prompt_tokens (e.g. 32) to take each row's first tokens as its "
+                              "prompt, or give chat data")
+        return prompt
 
     def many(self, batches: Sequence[Mapping[str, Any]]) -> list[Batch]:
         """A step's micro-batches: each one's rows chosen in turn, then all chosen rows sampled together in calls of
@@ -96,8 +106,9 @@ class Sampler:
             refuse_packed(batch, self.config.fraction)
         batches = [repeat_rows(batch, self.config.samples_per_prompt) for batch in batches]
         rows = [self.choose_rows(batch) for batch in batches]
-        prompts = [[prompt_of(batch, int(row)) for row in chosen] for batch, chosen in zip(batches, rows, strict=True)]
-        samples = iter(self.generate_batched([p for group in prompts for p in group], prompt_of(batches[0], 0)))
+        prompts = [[self.prompt_of(batch, int(row)) for row in chosen]
+                   for batch, chosen in zip(batches, rows, strict=True)]
+        samples = iter(self.generate_batched([p for group in prompts for p in group], self.prompt_of(batches[0], 0)))
         return [self.pack(splice(batch, chosen, group, [next(samples) for _ in group], self.pad_token_id))
                 for batch, chosen, group in zip(batches, rows, prompts, strict=True)]
 
@@ -264,9 +275,14 @@ def repeat_rows(batch: Mapping[str, Any], times: int) -> Batch:
     return {k: repeated(v) for k, v in batch.items()}
 
 
-def prompt_of(batch: Mapping[str, Any], row: int) -> torch.Tensor:
+def prompt_of(batch: Mapping[str, Any], row: int, prompt_tokens: int = 0) -> torch.Tensor:
     """Row ``row``'s prompt (the batch contract's, ``chat.prompt_lengths``): its tokens before the first counted
-    label, or all of its tokens when none counts."""
+    label, or all of its tokens when none counts; ``prompt_tokens`` > 0 (text rows, ``on_policy.prompt_tokens``):
+    its first ``prompt_tokens`` tokens (fewer if it is shorter)."""
+    if prompt_tokens:
+        mask = batch.get("attention_mask")
+        length = int(mask[row].sum()) if mask is not None else batch["input_ids"].shape[1]
+        return batch["input_ids"][row, :min(prompt_tokens, length)]
     parts = {k: batch[k][row:row + 1] for k in ("labels", "attention_mask")}
     return batch["input_ids"][row, :int(chat.prompt_lengths(parts))]
 
