@@ -293,8 +293,8 @@ def _loss_entries(spec: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def check_on_policy(start: Start) -> list[str]:
     """On-policy training on chat data (the prompts it answers), or on text data with ``prompt_tokens`` (each row's
-    first tokens its prompt). The rest is the plan's: one student, a sampling
-    teacher that can generate and takes part in the loss, an end token and a pad token inside every vocabulary."""
+    first tokens its prompt). The rest is the plan's: one student, a sampling teacher that can generate and takes
+    part in the loss, an end token and a pad token inside every vocabulary."""
     config = start.config
     on_policy = config.training.on_policy
     if on_policy.fraction == 0:
