@@ -40,7 +40,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from distill_kit import Distiller, TrainingConfig
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
-from distill_kit.tasks import arithmetic, compare, sorting
+from distill_kit.run import task_benchmark
+from distill_kit.tasks import arithmetic, sorting
 from distill_kit.tasks.evaluate import exact_match
 from distill_kit.training.on_policy import OnPolicyConfig
 
@@ -114,13 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 def aggregate(per_seed: list[dict]) -> list[dict]:
     """Each row over the seeds: per task the mean exact match, its range and each seed's value
-    (``compare.over_seeds``, as the arithmetic table reports them); mean seconds."""
+    (``task_benchmark.over_seeds``, as the arithmetic table reports them); mean seconds."""
     rows = []
     for first in per_seed[0]["rows"]:
         found = [next(r for r in entry["rows"] if r["row"] == first["row"]) for entry in per_seed]
         row = {"row": first["row"], "train_seconds": sum(r["train_seconds"] for r in found) / len(found)}
         for task in TASKS:
-            row |= compare.over_seeds(task, [r[task] for r in found])
+            row |= task_benchmark.over_seeds(task, [r[task] for r in found])
         rows.append(row)
     return rows
 

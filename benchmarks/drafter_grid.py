@@ -94,10 +94,10 @@ from distill_kit.data import blocks, chat  # noqa: E402
 from distill_kit.data.corpus import write_corpus  # noqa: E402
 from distill_kit.engines.schedule import scheduler  # noqa: E402
 from distill_kit.run.run_config import DEFAULT_STUDENT_CUT, DEFAULT_TEACHER  # noqa: E402
+from distill_kit.run.task_benchmark import chat_split  # noqa: E402
 from distill_kit.students.feature_drafter import FeatureDrafter  # noqa: E402
 from distill_kit.students.from_teacher import student_from_teacher  # noqa: E402
 from distill_kit.tasks import arithmetic  # noqa: E402
-from distill_kit.tasks.compare import chat_split  # noqa: E402
 from distill_kit.training import speculative  # noqa: E402
 from distill_kit.training.plan import DataFacts  # noqa: E402
 
@@ -163,7 +163,7 @@ def arithmetic_files(args: argparse.Namespace) -> list[Path]:
 
 
 def arithmetic_rows(args: argparse.Namespace, tokenizer) -> Rows:
-    """The task's conversations through its chat template (``tasks/compare.py``: ``chat_split``), labels on the
+    """The task's conversations through its chat template (``run/task_benchmark.py``: ``chat_split``), labels on the
     answer and its end token; prompts: held-out conversations up to the answer (a conversation's length less its
     counted tokens)."""
     split, pad = chat_split(tokenizer, *arithmetic_files(args)), chat.pad_id_of(tokenizer)

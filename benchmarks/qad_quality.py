@@ -88,7 +88,8 @@ def arithmetic_data(args: argparse.Namespace, out: Path, seed: int) -> tuple[Any
     from transformers import AutoTokenizer
 
     from distill_kit.data import chat
-    from distill_kit.tasks import arithmetic, compare
+    from distill_kit.run import task_benchmark
+    from distill_kit.tasks import arithmetic
 
     tokenizer = AutoTokenizer.from_pretrained(TEACHERS["arithmetic"])
     seeds = arithmetic.split_seeds(seed)
@@ -96,7 +97,7 @@ def arithmetic_data(args: argparse.Namespace, out: Path, seed: int) -> tuple[Any
     heldout = list(arithmetic.examples(seeds["heldout"], args.max_heldout))
     files = {name: arithmetic.write_jsonl(out / "data" / f"{name}.jsonl", items, with_answers=True)
              for name, items in (("labelled", labelled), ("heldout", heldout))}
-    split = compare.chat_split(tokenizer, files["labelled"], files["heldout"])
+    split = task_benchmark.chat_split(tokenizer, files["labelled"], files["heldout"])
     pad = chat.pad_id_of(tokenizer)
     return (chat.ChatLoader(split.train, args.micro_batch, pad_id=pad, seed=seed),
             chat.ChatLoader(split.heldout, 100, pad_id=pad, shuffle=False, drop_last=False),

@@ -3,7 +3,7 @@
 ``python scripts/distill.py --config configs/arithmetic.yaml`` runs its recipes and seeds one after another in one
 process; that is the CPU's way. A GPU runs these tiny models far below its capacity, so here each cell of the
 grid is one CLI run (``--task.recipes '[r]' --task.seeds '[s]'`` and its column's settings), ``--jobs`` of them at
-a time, and the cells are merged per column with the task benchmark's own ``compare.aggregate`` (mean over the
+a time, and the cells are merged per column with the task benchmark's own ``task_benchmark.aggregate`` (mean over the
 seeds, range, each seed's value). Columns (``COLUMNS``): ``fp32`` is the config as shipped (what the CPU table
 runs); ``bf16`` and ``fp8`` run student and teacher in bf16, the teacher's linear layers in FP8 for ``fp8``::
 
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from distill_kit.tasks import compare  # noqa: E402
+from distill_kit.run import task_benchmark  # noqa: E402
 
 COLUMNS = {
     "fp32": [],
@@ -95,7 +95,7 @@ def run_cell(cell: tuple[str, str, int], args: argparse.Namespace) -> dict | Non
 
 
 def merge(grid: list[tuple[str, str, int]], reports: dict, verbose: bool = False) -> dict:
-    """Per column and recipe: ``compare.aggregate`` of the cells' own seed tables (each cell's ``per_seed``: one
+    """Per column and recipe: ``task_benchmark.aggregate`` of the cells' own seed tables (each cell's ``per_seed``: one
     seed) over the seeds whose cell finished (``seeds`` says which), harness columns included; the gap closed where
     the column has SFT and teacher rows at the same seeds."""
     merged = {}
@@ -105,10 +105,10 @@ def merge(grid: list[tuple[str, str, int]], reports: dict, verbose: bool = False
             done = [reports[c, r, s]["per_seed"][0] for c, r, s in grid
                     if (c, r) == (column, recipe) and reports.get((c, r, s))]
             if done:
-                rows.append(compare.aggregate(done)["rows"][0] | {"seeds": [d["seed"] for d in done]})
-        merged[column] = compare.table(rows)
+                rows.append(task_benchmark.aggregate(done)["rows"][0] | {"seeds": [d["seed"] for d in done]})
+        merged[column] = task_benchmark.table(rows)
         if verbose and rows:
-            print(f"\n{column}:\n{compare.format_table(rows, rows[0]['seeds'])}")
+            print(f"\n{column}:\n{task_benchmark.format_table(rows, rows[0]['seeds'])}")
     return merged
 
 

@@ -595,7 +595,7 @@ EXTRA_RECIPES = ("forward_kl", "on_policy_reverse_kl", "on_policy_jsd", "mixed",
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """With ``name`` set, ``scripts/distill.py`` runs the task's comparison (``distill_kit/tasks/compare.py``):
+    """With ``name`` set, ``scripts/distill.py`` runs the task's comparison (``distill_kit/run/task_benchmark.py``):
     every recipe from the first student's initial weights and ``training.max_steps`` steps, then greedy
     exact-match accuracy on held-out prompts, at every seed of ``seeds``, into report.json."""
 

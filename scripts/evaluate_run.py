@@ -23,8 +23,8 @@ from pathlib import Path
 
 from distill_kit.config import HarnessConfig, build
 from distill_kit.errors import ConfigError
-from distill_kit.run import report
-from distill_kit.tasks import compare, harness
+from distill_kit.run import report, task_benchmark
+from distill_kit.tasks import harness
 
 
 def settings(run_dir: Path, args: Sequence[str]) -> HarnessConfig:
@@ -52,9 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(args[0])
     try:
         config = settings(run_dir, args[1:])
-        if compare.is_task_report(run_dir):  # each seed's students on that seed's prompts, as the run scores them
-            summary = compare.rescore_with_harness(run_dir, config)
-            print(compare.format_table(summary["rows"], summary["seeds"]))
+        # a task benchmark: each seed's students on that seed's prompts, as the run scores them
+        if task_benchmark.is_task_report(run_dir):
+            summary = task_benchmark.rescore_with_harness(run_dir, config)
+            print(task_benchmark.format_table(summary["rows"], summary["seeds"]))
             print(f"report: {run_dir / 'report.json'}; each seed's harness answers: {run_dir}/seed_<S>/harness")
             return 0
         scores = harness.evaluate_run(run_dir, config)

@@ -236,7 +236,7 @@ def test_rewarder_scores_each_sample_and_normalises_each_group():
 
 
 def test_the_report_says_per_seed_whether_the_teacher_helped():
-    from distill_kit.tasks.compare import teacher_helps
+    from distill_kit.run.task_benchmark import teacher_helps
 
     def seed(**accuracy):
         return {"rows": [{"recipe": name, "exact_match": value} for name, value in accuracy.items()]}

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distill_kit.run import cli
-from distill_kit.tasks import compare
+from distill_kit.run import cli, task_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml"))
@@ -32,7 +31,7 @@ def test_the_configs_are_found():
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_shipped_config_passes_every_check(config, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "prepare_loaders", _stop)
-    monkeypatch.setattr(compare, "run", _stop)
+    monkeypatch.setattr(task_benchmark, "run", _stop)
     with pytest.raises(_WorkWouldStart):
         cli.main(["--config", str(ROOT / config), "--output_dir", str(tmp_path / "run")])
     out = tmp_path / "run"  # the checks wrote nothing (a task benchmark has locked its folder by then)

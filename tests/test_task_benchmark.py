@@ -17,8 +17,8 @@ from distill_kit.config import TrainingConfig
 from distill_kit.data import chat
 from distill_kit.data.blocks import DataConfig
 from distill_kit.run import run_config
+from distill_kit.run.task_benchmark import aggregate, format_table, table
 from distill_kit.tasks import arithmetic
-from distill_kit.tasks.compare import aggregate, format_table, table
 from distill_kit.training import evaluation
 from distill_kit.training.on_policy import OnPolicyConfig
 

@@ -1,1 +1,1 @@
-"""The main job (scripts/distill.py): run config, CLI, evaluation and metrics, export, report, logs."""
+"""The main job (scripts/distill.py): run config, CLI, task benchmarks, evaluation, metrics, export, report, logs."""

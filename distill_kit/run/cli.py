@@ -25,7 +25,7 @@ from distill_kit.distiller import Distiller
 from distill_kit.engines import deepspeed_config, distributed, models, quantize
 from distill_kit.engines.deepspeed_config import DeepSpeedConfigError
 from distill_kit.errors import CheckpointError, ConfigError, StepFault
-from distill_kit.run import output_dir, report, run_config, student_tokenizer, validate
+from distill_kit.run import output_dir, report, run_config, student_tokenizer, task_benchmark, validate
 from distill_kit.run.log import RunLog
 from distill_kit.run.run_config import STDLIB_CORPUS, RunConfig
 from distill_kit.students import from_teacher
@@ -329,14 +329,13 @@ def _run(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[st
 
 
 def run_task(config: RunConfig, resume: bool, held: contextlib.ExitStack) -> dict[str, Any]:
-    """A task benchmark (``task.name``): its recipes in turn, one table (``tasks/compare.py``), its folder locked
+    """A task benchmark (``task.name``): its recipes in turn, one table (``run/task_benchmark.py``), its folder locked
     as a run's is."""
-    from distill_kit.tasks import compare
     # the task writes its own chat records, rows as long as its prompts and answers: no data.block_size to check
     plan = validate.validate(config, resume, run_identity(config), DataFacts(kind="chat"),
                              checks=validate.TASK_CHECKS)
     _on_main_or_refuse(lambda: held.enter_context(output_dir.Lock(Path(config.output_dir))))
-    return compare.run(config, prepare_student, validate.tokenizer_of(config, plan), resume)
+    return task_benchmark.run(config, prepare_student, validate.tokenizer_of(config, plan), resume)
 
 
 def prepare_loaders(config: RunConfig, data: DataFacts, tokenizer_source: str, rewards: Sequence[Any] = ()):
