@@ -100,6 +100,7 @@ from distill_kit.students.from_teacher import student_from_teacher  # noqa: E402
 from distill_kit.tasks import arithmetic  # noqa: E402
 from distill_kit.training import speculative  # noqa: E402
 from distill_kit.training.plan import DataFacts  # noqa: E402
+from distill_kit.training.student import TTT_DECAY  # noqa: E402
 
 OFF_POLICY = {"no_teacher": "cross_entropy", "forward_kl": "forward_kl", "total_variation": "total_variation"}
 WARM = {"on_policy_fkl": ("forward_kl", True),
@@ -112,6 +113,7 @@ TEACHER_TEXT = {"teacher_text_ce": "cross_entropy", "teacher_text_fkl": "forward
 FEATURE = ["feature_drafter", "feature_drafter_teacher_text"]
 ROWS = ["cut", *OFF_POLICY, *TEACHER_TEXT, *WARM, *FEATURE]
 CELLS = ["off_policy", "teacher_text", *WARM, *FEATURE]  # a cell: one process's work for one seed
+TRAINED_FROM_THE_CUT = {"off_policy": OFF_POLICY, "teacher_text": TEACHER_TEXT}  # cells of several rows: their rows
 
 
 @dataclass
@@ -270,8 +272,9 @@ def on_teacher_text(rows: Rows, teacher, args: argparse.Namespace, device: torch
 
 def train_feature_drafter(teacher, args: argparse.Namespace, rows: Rows, seed: int, device: torch.device):
     """EAGLE-3's drafter on ``teacher``: forward KL to the teacher's next-token distribution at every learnt
-    position, at each of ``--ttt`` unrolled draft steps (step m weighted 0.8 ** (m - 1), summed), AdamW on its own
-    weights (the teacher's embedding and head stay frozen), the Distiller's schedule and clipping."""
+    position, at each of ``--ttt`` unrolled draft steps (step m weighted ``TTT_DECAY ** (m - 1)``, 0.8, summed, as
+    in the Distiller's step), AdamW on its own weights (the teacher's embedding and head stay frozen), the
+    Distiller's schedule and clipping."""
     torch.manual_seed(seed)
     drafter = FeatureDrafter(teacher, layers=args.feature_layers).to(device).train()
     training = training_config(args, seed, args.steps, False)
@@ -287,7 +290,7 @@ def train_feature_drafter(teacher, args: argparse.Namespace, rows: Rows, seed: i
         loss = 0.0
         for m, step in enumerate(drafter.unrolled(ids, out.hidden_states, steps=args.ttt)):
             per_token = functional.forward_kl(step.logits[:, :-1].float(), out.logits[:, :-1].float())
-            loss = loss + 0.8 ** m * (per_token * mask).sum() / mask.sum()
+            loss = loss + TTT_DECAY ** m * (per_token * mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.trainable_parameters(), training.max_grad_norm)
@@ -329,21 +332,17 @@ def run_cell(cell: str, seed: int, args: argparse.Namespace) -> dict:
         drafter = train_feature_drafter(teacher, args, rows, seed, device)
         return measure(teacher, {cell: drafter}, prompts, args, rows.eos_token_id)
     cut = student_from_teacher(teacher, dataclasses.replace(task.cut, **args.cut), rows.calibration)
-    if cell == "off_policy":
-        losses = {n: loss for n, loss in OFF_POLICY.items() if n in args.rows}
+    if cell in TRAINED_FROM_THE_CUT:  # the cell's rows from the cut, --steps steps, one teacher forward for them
+        if cell == "teacher_text":
+            rows = on_teacher_text(rows, teacher.to(device), args, device)
+        losses = {n: loss for n, loss in TRAINED_FROM_THE_CUT[cell].items() if n in args.rows}
         trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, rows, seed, args.steps, False)
         if "forward_kl" in trained:  # the warm start of this seed's warm cells (a state dict: loaded weights-only)
             work.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.detach().cpu() for k, v in trained["forward_kl"].state_dict().items()},
                        work / f"forward_kl_s{seed}.pt")
-        drafters = {"cut": cut} | trained if "cut" in args.rows else trained
+        drafters = {"cut": cut} | trained if cell == "off_policy" and "cut" in args.rows else trained
         return measure(teacher.to(device), {n: m.to(device).eval() for n, m in drafters.items()}, prompts, args,
-                       rows.eos_token_id)
-    if cell == "teacher_text":  # from the cut, as the off-policy rows, on the teacher's greedy text
-        rows = on_teacher_text(rows, teacher.to(device), args, device)
-        losses = {n: loss for n, loss in TEACHER_TEXT.items() if n in args.rows}
-        trained = train({name: copy.deepcopy(cut) for name in losses}, losses, args, rows, seed, args.steps, False)
-        return measure(teacher.to(device), {n: m.to(device).eval() for n, m in trained.items()}, prompts, args,
                        rows.eos_token_id)
     loss, on_policy = WARM[cell]
     cut.load_state_dict(torch.load(work / f"forward_kl_s{seed}.pt", weights_only=True))
@@ -380,8 +379,7 @@ def cell_path(out: Path, cell: str, seed: int) -> Path:
 
 def schedule_cells(args: argparse.Namespace, argv: list[str]) -> None:
     """Every (cell, seed) as its own process, ``--jobs`` at a time; a warm cell after its seed's off-policy one."""
-    wanted = [c for c in CELLS if c == "off_policy" and set(OFF_POLICY) & set(args.rows)
-              or c == "teacher_text" and set(TEACHER_TEXT) & set(args.rows) or c in args.rows]
+    wanted = [c for c in CELLS if set(TRAINED_FROM_THE_CUT.get(c, [c])) & set(args.rows)]
     # the first cells of every seed first, then each warm row at every seed before the next row
     pending = [(c, s) for c in wanted if c not in WARM for s in args.seeds]
     pending += [(c, s) for c in wanted if c in WARM for s in args.seeds]
