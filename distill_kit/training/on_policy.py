@@ -83,11 +83,11 @@ class Sampler:
         refuse_packed(batch, self.config.fraction)
         batch = repeat_rows(batch, self.config.samples_per_prompt)
         rows = self.choose_rows(batch)
-        prompts = [self.prompt_of(batch, int(row)) for row in rows]
-        samples = self.generate(prompts if prompts or not self.synced else [self.prompt_of(batch, 0)])[:len(prompts)]
+        prompts = [self.row_prompt(batch, int(row)) for row in rows]
+        samples = self.generate(prompts if prompts or not self.synced else [self.row_prompt(batch, 0)])[:len(prompts)]
         return self.pack(splice(batch, rows, prompts, samples, self.pad_token_id))
 
-    def prompt_of(self, batch: Mapping[str, Any], row: int) -> torch.Tensor:
+    def row_prompt(self, batch: Mapping[str, Any], row: int) -> torch.Tensor:
         """A row's prompt to answer (``on_policy.prompt_tokens``: a text row's first tokens); a row without one is
         refused (Python use: the CLI refuses text data without ``prompt_tokens`` before any work)."""
         prompt = prompt_of(batch, row, self.config.prompt_tokens)
@@ -106,9 +106,9 @@ class Sampler:
             refuse_packed(batch, self.config.fraction)
         batches = [repeat_rows(batch, self.config.samples_per_prompt) for batch in batches]
         rows = [self.choose_rows(batch) for batch in batches]
-        prompts = [[self.prompt_of(batch, int(row)) for row in chosen]
+        prompts = [[self.row_prompt(batch, int(row)) for row in chosen]
                    for batch, chosen in zip(batches, rows, strict=True)]
-        samples = iter(self.generate_batched([p for group in prompts for p in group], self.prompt_of(batches[0], 0)))
+        samples = iter(self.generate_batched([p for group in prompts for p in group], self.row_prompt(batches[0], 0)))
         return [self.pack(splice(batch, chosen, group, [next(samples) for _ in group], self.pad_token_id))
                 for batch, chosen, group in zip(batches, rows, prompts, strict=True)]
 
